@@ -1,0 +1,289 @@
+"""Configuration: embedded defaults < TOML file < ``SUSTAIN_*`` environment < command-line flags.
+
+Validated with pydantic-settings so that every problem is reported with the dotted key it belongs
+to. ``load`` raises ``ConfigError`` carrying one line per problem; the CLI prints them and exits 2.
+Environment variables use ``__`` between sections: ``SUSTAIN_EXPORTER__LISTEN=127.0.0.1:9477``.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import tomllib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic.fields import FieldInfo
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+from sqlalchemy.engine import URL, make_url
+from sqlalchemy.exc import ArgumentError, NoSuchModuleError
+
+ENV_PREFIX = "SUSTAIN_"
+DEFAULT_PORT = 9477
+
+
+class ConfigError(Exception):
+    """The configuration is invalid. ``problems`` holds one readable line per problem."""
+
+    def __init__(self, problems: list[str]) -> None:
+        super().__init__("; ".join(problems))
+        self.problems = problems
+
+
+def default_data_dir() -> Path:
+    """/var/lib/sustain for root (the service), the XDG data directory for anyone else."""
+    if os.geteuid() == 0:
+        return Path("/var/lib/sustain")
+    xdg = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
+    return Path(xdg) / "sustain"
+
+
+def parse_listen(value: str) -> tuple[str, int]:
+    """Split ``HOST:PORT`` (``[v6]:PORT`` for IPv6; an empty host means all interfaces)."""
+    host, sep, port_text = value.rpartition(":")
+    if not sep or not port_text.isdigit():
+        raise ValueError(f"expected HOST:PORT, got {value!r}")
+    port = int(port_text)
+    if not 0 <= port <= 65535:
+        raise ValueError(f"port {port} is outside 0-65535")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    return host or "0.0.0.0", port
+
+
+def redact_url(url: str) -> str:
+    """A database URL with its password replaced, safe for logs and error messages."""
+    try:
+        return make_url(url).render_as_string(hide_password=True)
+    except ArgumentError:
+        return "<unparseable database URL>"
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class AgentSection(_Section):
+    node: str = Field(
+        default_factory=socket.gethostname,
+        min_length=1,
+        description="Node name recorded with every archived row (the exporter adds no host label).",
+    )
+    data_dir: Path = Field(
+        default_factory=default_data_dir,
+        description="Directory for the embedded SQLite archive and other local state.",
+    )
+    log_level: Literal["debug", "info", "warning", "error"] = Field(
+        default="info", description="Log level of the daemon (logs go to standard error)."
+    )
+
+
+class ExporterSection(_Section):
+    listen: str = Field(
+        default=f"0.0.0.0:{DEFAULT_PORT}",
+        description="HOST:PORT the HTTP exporter binds (/metrics, /healthz, /).",
+    )
+    window_seconds: float = Field(
+        default=15.0,
+        gt=0,
+        le=3600,
+        description="Length of the window behind the *_window_mean and *_window_max families.",
+    )
+
+    @field_validator("listen")
+    @classmethod
+    def _listen_is_host_port(cls, value: str) -> str:
+        parse_listen(value)
+        return value
+
+
+class SamplerSection(_Section):
+    interval_seconds: float = Field(
+        default=1.0, gt=0, le=3600, description="Baseline sampling interval of every collector."
+    )
+    buffer_samples: int = Field(
+        default=1024,
+        ge=16,
+        le=1_000_000,
+        description="Ring-buffer capacity per device and field (bounds the agent's memory).",
+    )
+    stall_seconds: float = Field(
+        default=30.0,
+        gt=0,
+        description="A sampler loop with no completed poll for this long is stalled (/healthz 503).",
+    )
+
+
+class HostSection(_Section):
+    enabled: bool = Field(default=True, description="Collect host CPU, memory, load, temperature, RAPL.")
+    procfs: Path = Field(default=Path("/proc"), description="Root of procfs (a fixture tree in tests).")
+    sysfs: Path = Field(default=Path("/sys"), description="Root of sysfs (a fixture tree in tests).")
+
+
+class ArchiveSection(_Section):
+    database_url: str | None = Field(
+        default=None,
+        description="SQLAlchemy database URL; unset means a SQLite file data_dir/sustain.db.",
+    )
+    auto_upgrade: bool = Field(
+        default=True, description="Apply pending schema migrations when the daemon starts."
+    )
+    rollup_seconds: int = Field(
+        default=60,
+        ge=10,
+        le=3600,
+        description="Length of one telemetry rollup period (one row per device field per period).",
+    )
+    retention_days: float = Field(
+        default=90.0, gt=0, description="Rollup rows older than this are deleted daily."
+    )
+
+    @field_validator("database_url")
+    @classmethod
+    def _url_is_well_formed(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        try:
+            url = make_url(value)
+        except ArgumentError:
+            raise ValueError("malformed database URL (expected dialect[+driver]://...)") from None
+        try:
+            url.get_dialect()
+        except NoSuchModuleError:
+            raise ValueError(f"unknown database dialect {url.drivername!r}") from None
+        if url.get_backend_name() == "sqlite" and not url.database:
+            raise ValueError("a SQLite URL needs a file path (sqlite:////path/to/sustain.db)")
+        return value
+
+
+class _FileSource(PydanticBaseSettingsSource):
+    """The parsed TOML file, placed below the environment in precedence."""
+
+    def __init__(self, settings_cls: type[BaseSettings], data: Mapping[str, Any]) -> None:
+        super().__init__(settings_cls)
+        self._data = dict(data)
+
+    def get_field_value(self, field: FieldInfo, field_name: str) -> tuple[Any, str, bool]:
+        return self._data.get(field_name), field_name, False
+
+    def __call__(self) -> dict[str, Any]:
+        return self._data
+
+
+class Settings(BaseSettings):
+    """The effective configuration of one agent."""
+
+    model_config = SettingsConfigDict(
+        env_prefix=ENV_PREFIX,
+        env_nested_delimiter="__",
+        extra="forbid",
+        frozen=True,
+    )
+
+    agent: AgentSection = Field(default_factory=AgentSection)
+    exporter: ExporterSection = Field(default_factory=ExporterSection)
+    sampler: SamplerSection = Field(default_factory=SamplerSection)
+    host: HostSection = Field(default_factory=HostSection)
+    archive: ArchiveSection = Field(default_factory=ArchiveSection)
+
+    @property
+    def database_url(self) -> str:
+        """The archive URL, with the embedded SQLite default resolved."""
+        if self.archive.database_url is not None:
+            return self.archive.database_url
+        path = (self.agent.data_dir / "sustain.db").absolute()
+        return URL.create("sqlite", database=str(path)).render_as_string()
+
+    @property
+    def listen_address(self) -> tuple[str, int]:
+        return parse_listen(self.exporter.listen)
+
+
+def _settings_class(file_data: Mapping[str, Any], use_env: bool) -> type[Settings]:
+    """A Settings subclass whose sources are: flags > environment (if used) > this file's data.
+
+    pydantic-settings asks the class, not the instance, for its sources, so each load gets its own
+    small subclass instead of shared mutable state.
+    """
+
+    class Loaded(Settings):
+        @classmethod
+        def settings_customise_sources(
+            cls,
+            settings_cls: type[BaseSettings],
+            init_settings: PydanticBaseSettingsSource,
+            env_settings: PydanticBaseSettingsSource,
+            dotenv_settings: PydanticBaseSettingsSource,
+            file_secret_settings: PydanticBaseSettingsSource,
+        ) -> tuple[PydanticBaseSettingsSource, ...]:
+            file_source = _FileSource(settings_cls, file_data)
+            if use_env:
+                return init_settings, env_settings, file_source
+            return init_settings, file_source
+
+    return Loaded
+
+
+def read_toml(path: Path) -> dict[str, Any]:
+    """Parse a TOML file; syntax errors become a ConfigError naming the file and line."""
+    try:
+        with path.open("rb") as handle:
+            return tomllib.load(handle)
+    except FileNotFoundError:
+        raise ConfigError([f"{path}: no such file"]) from None
+    except (PermissionError, IsADirectoryError) as exc:
+        raise ConfigError([f"{path}: cannot read: {exc.strerror}"]) from None
+    except UnicodeDecodeError:
+        raise ConfigError([f"{path}: not UTF-8 text"]) from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError([f"{path}: TOML syntax error: {exc}"]) from None
+
+
+def _problem_lines(error: ValidationError) -> list[str]:
+    lines = []
+    for item in error.errors():
+        key = ".".join(str(part) for part in item["loc"]) or "(top level)"
+        if item["type"] == "extra_forbidden":
+            lines.append(f"{key}: unknown key")
+            continue
+        message = item["msg"].removeprefix("Value error, ")
+        if item["type"] not in ("missing",):
+            message += f" (got {item['input']!r})"
+        lines.append(f"{key}: {message}")
+    return lines
+
+
+def load(
+    path: Path | None = None,
+    overrides: Mapping[str, Mapping[str, Any]] | None = None,
+    *,
+    use_env: bool = True,
+) -> Settings:
+    """Build the effective settings from defaults, ``path``, the environment and ``overrides``.
+
+    ``overrides`` are section -> key -> value, as given by command-line flags.
+    """
+    file_data = read_toml(path) if path is not None else {}
+    settings_cls = _settings_class(file_data, use_env)
+    try:
+        return settings_cls(**{k: dict(v) for k, v in (overrides or {}).items()})
+    except ValidationError as exc:
+        raise ConfigError(_problem_lines(exc)) from None
+
+
+def check_file(path: Path) -> list[str]:
+    """Every problem of one config file on its own (the environment is not consulted)."""
+    try:
+        load(path, use_env=False)
+    except ConfigError as exc:
+        return exc.problems
+    return []
+
+
+def redacted(settings: Settings) -> dict[str, Any]:
+    """The effective settings as plain data, database passwords replaced."""
+    data = settings.model_dump(mode="json")
+    data["archive"]["database_url"] = redact_url(settings.database_url)
+    return data

@@ -1,0 +1,95 @@
+"""The contract between collectors and the agent: field descriptions and typed samples.
+
+A ``Field`` describes one metric family once (name, unit, type, help, label names); a ``Sample`` is
+one poll of a collector: a timestamp and the readings that could be taken. Units are converted
+before a reading is built, so nothing downstream ever sees MHz, mW, kB or percent.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Literal, Protocol
+
+FieldKind = Literal["gauge", "counter"]
+
+PREFIX = "sustain_"
+
+
+@dataclass(frozen=True, slots=True)
+class Field:
+    """One metric family a collector can produce.
+
+    ``stem`` and ``unit`` make the exported name: ``sustain_<stem>_<unit>`` (``_total`` added for
+    counters). ``windowed`` fields also get ``..._window_mean_<unit>`` and ``..._window_max_<unit>``
+    so that peaks between two scrapes stay visible. ``rollup`` fields are archived per minute.
+    """
+
+    stem: str
+    unit: str
+    kind: FieldKind
+    help: str
+    labels: tuple[str, ...] = ()
+    windowed: bool = False
+    rollup: bool = True
+
+    @property
+    def key(self) -> str:
+        """The field's name inside the agent and the archive (the metric name without prefix)."""
+        base = f"{self.stem}_{self.unit}" if self.unit else self.stem
+        return f"{base}_total" if self.kind == "counter" else base
+
+    @property
+    def metric_name(self) -> str:
+        return PREFIX + self.key
+
+    def window_metric_name(self, stat: Literal["mean", "max"]) -> str:
+        unit = f"_{self.unit}" if self.unit else ""
+        return f"{PREFIX}{self.stem}_window_{stat}{unit}"
+
+
+Labels = tuple[tuple[str, str], ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Reading:
+    """One value of one field. ``labels`` pairs follow the order of ``Field.labels``."""
+
+    field: str
+    value: float
+    labels: Labels = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Sample:
+    """One poll of a collector. ``device`` is the device the readings belong to ("host" for the
+    host collector); ``errors`` names the kinds of per-field failures met during the poll."""
+
+    collector: str
+    device: str
+    timestamp: float
+    readings: tuple[Reading, ...]
+    errors: tuple[str, ...] = field(default=())
+
+
+class CollectorError(Exception):
+    """The collector could read nothing at all during this poll."""
+
+
+class Collector(Protocol):
+    """What the sampler needs from a telemetry source."""
+
+    name: str
+
+    @property
+    def fields(self) -> Mapping[str, Field]:
+        """Every field this collector can produce, by ``Field.key``."""
+        ...
+
+    def collect(self) -> Sequence[Sample]:
+        """Poll the source once. Raises ``CollectorError`` only when nothing could be read."""
+        ...
+
+    def close(self) -> None:
+        """Release whatever the collector holds (file handles, library handles)."""
+        ...
