@@ -12,7 +12,7 @@ import socket
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from pydantic.fields import FieldInfo
@@ -50,7 +50,7 @@ def parse_listen(value: str) -> tuple[str, int]:
         raise ValueError(f"port {port} is outside 0-65535")
     if host.startswith("[") and host.endswith("]"):
         host = host[1:-1]
-    return host or "0.0.0.0", port
+    return host or "0.0.0.0", port  # noqa: S104 - an empty host means all interfaces
 
 
 def redact_url(url: str) -> str:
@@ -112,14 +112,20 @@ class SamplerSection(_Section):
     stall_seconds: float = Field(
         default=30.0,
         gt=0,
-        description="A sampler loop with no completed poll for this long is stalled (/healthz 503).",
+        description="A sampler loop with no finished poll for this long is stalled (/healthz 503).",
     )
 
 
 class HostSection(_Section):
-    enabled: bool = Field(default=True, description="Collect host CPU, memory, load, temperature, RAPL.")
-    procfs: Path = Field(default=Path("/proc"), description="Root of procfs (a fixture tree in tests).")
-    sysfs: Path = Field(default=Path("/sys"), description="Root of sysfs (a fixture tree in tests).")
+    enabled: bool = Field(
+        default=True, description="Collect host CPU, memory, load, temperature, RAPL."
+    )
+    procfs: Path = Field(
+        default=Path("/proc"), description="Root of procfs (a fixture tree in tests)."
+    )
+    sysfs: Path = Field(
+        default=Path("/sys"), description="Root of sysfs (a fixture tree in tests)."
+    )
 
 
 class ArchiveSection(_Section):
@@ -137,7 +143,7 @@ class ArchiveSection(_Section):
         description="Length of one telemetry rollup period (one row per device field per period).",
     )
     retention_days: float = Field(
-        default=90.0, gt=0, description="Rollup rows older than this are deleted daily."
+        default=90.0, gt=0, description="Rollup rows older than this are deleted (checked hourly)."
     )
 
     @field_validator("database_url")
@@ -268,7 +274,11 @@ def load(
     file_data = read_toml(path) if path is not None else {}
     settings_cls = _settings_class(file_data, use_env)
     try:
-        return settings_cls(**{k: dict(v) for k, v in (overrides or {}).items()})
+        # Sections go in as plain dicts; pydantic validates them (mypy sees only the
+        # settings-class keyword arguments in the signature).
+        sections: dict[str, Any] = {k: dict(v) for k, v in (overrides or {}).items()}
+        settings: Settings = cast(Any, settings_cls)(**sections)
+        return settings
     except ValidationError as exc:
         raise ConfigError(_problem_lines(exc)) from None
 

@@ -4,7 +4,8 @@ Each sampler loop feeds every reading into an accumulator for the current period
 default). When a period is over, its accumulators become ``RollupRow``s waiting for the archive
 job. Gauges are summarised as they are; counters are summarised as their per-second rate between
 consecutive samples (an energy counter in joules becomes watts), since the mean of a counter means
-nothing. Only whole periods become rows: the period in which the agent stops is not written.
+nothing. Only whole periods become rows: the periods in which the agent started and stopped are
+not written, since a row for them would claim a full period it did not observe.
 """
 
 from __future__ import annotations
@@ -65,9 +66,12 @@ class RollupBuilder:
     ``add`` is called from the sampler loops; ``close_periods`` and ``take`` from the archive job.
     """
 
-    def __init__(self, fields: dict[str, dict[str, Field]], period_seconds: int) -> None:
+    def __init__(
+        self, fields: dict[str, dict[str, Field]], period_seconds: int, started_at: float
+    ) -> None:
         self._fields = fields
         self.period_seconds = period_seconds
+        self._started_at = started_at
         self._lock = threading.Lock()
         self._open: dict[tuple[SeriesKey, int], _Accumulator] = {}
         self._last_counter: dict[SeriesKey, tuple[float, float]] = {}
@@ -98,13 +102,16 @@ class RollupBuilder:
                 accumulator.values.append(value)
 
     def close_periods(self, now: float) -> int:
-        """Move every period that ended before ``now`` to the pending rows; return how many."""
+        """Move every period that ended before ``now`` to the pending rows; return how many
+        series-periods were closed (including a partial first period, which is dropped)."""
         current = self._period_of(now)
         with self._lock:
             done = [item for item in self._open if item[1] < current]
             for item in sorted(done, key=lambda entry: entry[1]):
                 (collector, device, field_key, labels), period = item
                 values = self._open.pop(item).values
+                if period < self._started_at:
+                    continue  # the agent started during this period: it saw only part of it
                 kind: RollupKind = (
                     "rate" if self._fields[collector][field_key].kind == "counter" else "gauge"
                 )

@@ -33,26 +33,59 @@ _CPU_TIME_COLUMNS = 8
 _IDLE, _IOWAIT = 3, 4
 
 _FIELDS = (
-    Field("cpu_utilization", "ratio", "gauge",
-          "Busy share of all CPUs since the previous poll.", windowed=True),
-    Field("cpu_core_utilization", "ratio", "gauge",
-          "Busy share of one CPU since the previous poll.", ("cpu",), windowed=True, rollup=False),
-    Field("cpu_frequency", "hertz", "gauge",
-          "Current frequency of one CPU.", ("cpu",), windowed=True),
-    Field("cpu_frequency_max", "hertz", "gauge",
-          "Highest frequency one CPU can reach.", ("cpu",), rollup=False),
+    Field(
+        "cpu_utilization",
+        "ratio",
+        "gauge",
+        "Busy share of all CPUs since the previous poll.",
+        windowed=True,
+    ),
+    Field(
+        "cpu_core_utilization",
+        "ratio",
+        "gauge",
+        "Busy share of one CPU since the previous poll.",
+        ("cpu",),
+        windowed=True,
+        rollup=False,
+    ),
+    Field(
+        "cpu_frequency", "hertz", "gauge", "Current frequency of one CPU.", ("cpu",), windowed=True
+    ),
+    Field(
+        "cpu_frequency_max",
+        "hertz",
+        "gauge",
+        "Highest frequency one CPU can reach.",
+        ("cpu",),
+        rollup=False,
+    ),
     Field("memory_total", "bytes", "gauge", "Usable physical memory.", rollup=False),
-    Field("memory_available", "bytes", "gauge",
-          "Memory available for new work without swapping (MemAvailable)."),
+    Field(
+        "memory_available",
+        "bytes",
+        "gauge",
+        "Memory available for new work without swapping (MemAvailable).",
+    ),
     Field("memory_used", "bytes", "gauge", "Memory in use: total minus available."),
     Field("load1", "", "gauge", "1-minute load average."),
     Field("load5", "", "gauge", "5-minute load average."),
     Field("load15", "", "gauge", "15-minute load average."),
-    Field("temperature", "celsius", "gauge",
-          "Temperature of one hwmon sensor or thermal zone.", ("chip", "sensor"), windowed=True),
-    Field("rapl_energy", "joules", "counter",
-          "Energy used by one RAPL power zone, carried across the hardware counter's wrap.",
-          ("zone",)),
+    Field(
+        "temperature",
+        "celsius",
+        "gauge",
+        "Temperature of one hwmon sensor or thermal zone.",
+        ("chip", "sensor"),
+        windowed=True,
+    ),
+    Field(
+        "rapl_energy",
+        "joules",
+        "counter",
+        "Energy used by one RAPL power zone, carried across the hardware counter's wrap.",
+        ("zone",),
+    ),
 )
 FIELDS: Mapping[str, Field] = MappingProxyType({field.key: field for field in _FIELDS})
 
@@ -425,8 +458,9 @@ class HostCollector:
         found = []
         for _, name in _numbered(walk.entries(root), "hwmon"):
             directory = os.path.join(root, name)
-            chip = _unique((walk.text(os.path.join(directory, "name")) or "").strip() or name,
-                           name, chips)
+            chip = _unique(
+                (walk.text(os.path.join(directory, "name")) or "").strip() or name, name, chips
+            )
             sensors: set[str] = set()
             for index, filename in _numbered(walk.entries(directory), "temp", "_input"):
                 label_path = os.path.join(directory, f"temp{index}_label")
@@ -455,8 +489,9 @@ class HostCollector:
                 name = (walk.text(os.path.join(root, entry, "name")) or "").strip()
                 if name:
                     names[entry] = name
-        order = sorted(names, key=lambda entry: (entry.split(":")[0] != "intel-rapl",
-                                                 _natural(entry)))
+        order = sorted(
+            names, key=lambda entry: (entry.split(":")[0] != "intel-rapl", _natural(entry))
+        )
         taken: set[str] = set()
         found = []
         for entry in order:

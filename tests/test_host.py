@@ -53,8 +53,10 @@ def write_stat(proc: Path, rows: dict[str, list[int]]) -> None:
     """Rewrite the cpu lines of a copied /proc/stat, keeping the lines that follow them."""
     stat = proc / "stat"
     others = [line for line in stat.read_text().splitlines() if not line.startswith("cpu")]
-    cpu_lines = [f"{name}{' ' if name == 'cpu' else ''} {' '.join(map(str, row))}"
-                 for name, row in rows.items()]
+    cpu_lines = [
+        f"{name}{' ' if name == 'cpu' else ''} {' '.join(map(str, row))}"
+        for name, row in rows.items()
+    ]
     stat.write_text("\n".join(cpu_lines + others) + "\n")
 
 
@@ -214,7 +216,9 @@ def test_memory_in_bytes() -> None:
 def test_load_averages() -> None:
     sample = poll(collector_for(FIXTURE))
     assert (value(sample, "load1"), value(sample, "load5"), value(sample, "load15")) == (
-        1.52, 0.87, 0.45,
+        1.52,
+        0.87,
+        0.45,
     )
 
 
@@ -354,8 +358,11 @@ def collect_in_child(procfs: Path, sysfs: Path, uid: int | None) -> dict[str, An
                 sample = HostCollector(procfs, sysfs).collect()[0]
                 report = {
                     "errors": list(sample.errors),
-                    "energy": {dict(r.labels)["zone"]: r.value for r in sample.readings
-                               if r.field == "rapl_energy_joules_total"},
+                    "energy": {
+                        dict(r.labels)["zone"]: r.value
+                        for r in sample.readings
+                        if r.field == "rapl_energy_joules_total"
+                    },
                 }
             with os.fdopen(write_end, "w") as out:
                 json.dump(report, out)
@@ -409,8 +416,12 @@ def test_missing_sysfs_leaves_only_procfs_fields(tmp_path: Path) -> None:
     fields = {reading.field for reading in sample.readings}
     assert fields == {
         "cpu_frequency_hertz",  # from cpuinfo
-        "memory_total_bytes", "memory_available_bytes", "memory_used_bytes",
-        "load1", "load5", "load15",
+        "memory_total_bytes",
+        "memory_available_bytes",
+        "memory_used_bytes",
+        "load1",
+        "load5",
+        "load15",
     }
     assert sample.errors == ()
 
@@ -448,8 +459,9 @@ def test_hotplugged_sensor_appears_after_rediscovery(tree: Path) -> None:
 def test_readings_match_their_fields(tree: Path) -> None:
     collector = collector_for(tree)
     poll(collector)
-    rows = {name: advanced(row, [10, 0, 10, 80, 0, 0, 0, 0, 0, 0]) for name, row in
-            STAT_CPU.items()}
+    rows = {
+        name: advanced(row, [10, 0, 10, 80, 0, 0, 0, 0, 0, 0]) for name, row in STAT_CPU.items()
+    }
     write_stat(tree / "proc", rows)
     sample = poll(collector)
     assert {reading.field for reading in sample.readings} == set(FIELDS)

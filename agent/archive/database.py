@@ -1,0 +1,183 @@
+"""Opening the archive database and bringing its schema up to date.
+
+``open_engine`` connects once before returning, so that a bad path, a read-only file or an
+unreachable server is reported when the agent starts, as one line that names the database (with
+its password hidden) and the reason, not as a traceback at the first write minutes later.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import re
+from pathlib import Path
+from typing import Any
+from urllib.parse import unquote
+
+from alembic import command
+from alembic.config import Config
+from alembic.runtime.migration import MigrationContext
+from alembic.script import ScriptDirectory
+from alembic.util import CommandError
+from sqlalchemy import Connection, Engine, create_engine, event
+from sqlalchemy.engine import URL, make_url
+from sqlalchemy.exc import ArgumentError, NoSuchModuleError, SQLAlchemyError
+
+MIGRATIONS = Path(__file__).parent / "migrations"
+SUPPORTED_BACKENDS = ("sqlite", "postgresql")
+SQLITE_BUSY_TIMEOUT_MS = 10_000
+CONNECT_TIMEOUT_S = 10
+
+# What psycopg puts before the reason; the URL in our message already names the server.
+_NOISE = re.compile(
+    r"^(?:connection failed: )?(?:connection to server at .*?, port \d+ failed: )?(?:FATAL: +)?"
+)
+
+
+class ArchiveError(Exception):
+    """The archive database cannot be opened, migrated or written. The message is one line."""
+
+
+def _reason(exc: BaseException, url: URL) -> str:
+    """The first line of the driver's own message, without psycopg's preamble or the password."""
+    original = getattr(exc, "orig", None) or exc
+    lines = str(original).strip().splitlines()
+    reason = _NOISE.sub("", lines[0]).strip() if lines else ""
+    if not reason:
+        reason = type(original).__name__
+    if url.password:
+        reason = reason.replace(str(url.password), "***")
+    if reason[:1].isupper() and reason[1:2].islower():
+        reason = reason[0].lower() + reason[1:]
+    return reason
+
+
+def describe(engine_or_url: Engine | URL) -> str:
+    """The database's URL as it may appear in a log line or an error message."""
+    url = engine_or_url.url if isinstance(engine_or_url, Engine) else engine_or_url
+    shown = url.render_as_string(hide_password=True)
+    # A SQLite URL holds no password, and its path reads better unescaped (file: URIs).
+    return unquote(shown) if url.get_backend_name() == "sqlite" else shown
+
+
+def archive_error(action: str, engine_or_url: Engine | URL, exc: BaseException) -> ArchiveError:
+    """``cannot <action> <url>: <reason>``, the shape of every database error the agent reports."""
+    url = engine_or_url.url if isinstance(engine_or_url, Engine) else engine_or_url
+    return ArchiveError(f"cannot {action} {describe(url)}: {_reason(exc, url)}")
+
+
+def _sqlite_file(url: URL) -> Path | None:
+    """The file behind a SQLite URL; None for an in-memory database or a ``file:`` URI."""
+    database = url.database or ""
+    if database in ("", ":memory:") or url.query.get("uri") == "true":
+        return None
+    return Path(database)
+
+
+def _on_sqlite_connect(dbapi_connection: Any, _record: Any) -> None:
+    # WAL lets readers (exports, Grafana) run while the agent writes; NORMAL is durable in WAL
+    # except for the last commits on power loss. sqlite3 is told to keep out of transaction
+    # control so that the "begin" listener below can make DDL transactional too.
+    dbapi_connection.isolation_level = None
+    cursor = dbapi_connection.cursor()
+    try:
+        cursor.execute(f"PRAGMA busy_timeout = {SQLITE_BUSY_TIMEOUT_MS}")
+        cursor.execute("PRAGMA journal_mode = WAL")
+        cursor.execute("PRAGMA synchronous = NORMAL")
+        cursor.execute("PRAGMA foreign_keys = ON")
+    finally:
+        cursor.close()
+
+
+def _on_sqlite_begin(connection: Connection) -> None:
+    # sqlite3's own legacy transaction control skips BEGIN before DDL and SELECT, which would let
+    # a migration half-apply; SQLAlchemy's documented remedy is to emit BEGIN ourselves. IMMEDIATE
+    # takes the write lock up front: a deferred transaction that reads and then writes (as a
+    # migration does) fails at once with "database is locked" when another writer got in between,
+    # whereas IMMEDIATE waits for it under busy_timeout. Readers in other processes are not held up
+    # (WAL), and the agent's own transactions are short.
+    connection.exec_driver_sql("BEGIN IMMEDIATE")
+
+
+def _check_sqlite_writable(connection: Connection) -> None:
+    # Opening and reading succeed on a read-only file; only a write shows it. Writing the
+    # user_version back unchanged inside a rolled-back transaction leaves the file as it was.
+    version = connection.exec_driver_sql("PRAGMA user_version").scalar_one()
+    connection.exec_driver_sql(f"PRAGMA user_version = {int(version)}")
+    connection.rollback()
+
+
+def open_engine(url: str) -> Engine:
+    """An engine on the archive database, known to be reachable (and writable, for SQLite)."""
+    try:
+        parsed = make_url(url)
+    except ArgumentError:
+        raise ArchiveError("malformed database URL (expected dialect[+driver]://...)") from None
+    backend = parsed.get_backend_name()
+    if backend not in SUPPORTED_BACKENDS:
+        raise ArchiveError(
+            f"unsupported database {describe(parsed)}: the archive runs on sqlite or postgresql"
+        )
+    path = _sqlite_file(parsed) if backend == "sqlite" else None
+    if path is not None:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            # mkdir reports a file in the way as "File exists", which reads as if all were well.
+            in_the_way = isinstance(exc, FileExistsError)
+            reason = os.strerror(errno.ENOTDIR) if in_the_way else exc.strerror
+            raise ArchiveError(f"cannot create directory {path.parent}: {reason}") from exc
+    try:
+        if backend == "sqlite":
+            engine = create_engine(parsed)
+            event.listen(engine, "connect", _on_sqlite_connect)
+            event.listen(engine, "begin", _on_sqlite_begin)
+        else:
+            # A server that drops packets must fail start-up in seconds, not hang it.
+            engine = create_engine(
+                parsed, pool_pre_ping=True, connect_args={"connect_timeout": CONNECT_TIMEOUT_S}
+            )
+    except (ArgumentError, NoSuchModuleError, ImportError) as exc:
+        raise archive_error("use database", parsed, exc) from exc
+    try:
+        with engine.connect() as connection:
+            if backend == "sqlite":
+                _check_sqlite_writable(connection)
+    except SQLAlchemyError as exc:
+        engine.dispose()
+        action = "open database" if backend == "sqlite" else "connect to database"
+        raise archive_error(action, parsed, exc) from exc
+    return engine
+
+
+def _alembic_config(connection: Connection | None = None) -> Config:
+    # No ini file: the agent must not let Alembic configure logging, and the migrations are found
+    # next to this module wherever the package is installed.
+    config = Config()
+    config.set_main_option("script_location", os.fspath(MIGRATIONS).replace("%", "%%"))
+    if connection is not None:
+        config.attributes["connection"] = connection
+    return config
+
+
+def upgrade(engine: Engine, revision: str = "head") -> None:
+    """Apply the pending migrations in one transaction (per database; see migrations/env.py)."""
+    try:
+        with engine.begin() as connection:
+            command.upgrade(_alembic_config(connection), revision)
+    except (SQLAlchemyError, CommandError) as exc:  # CommandError: a revision this agent lacks
+        raise archive_error("migrate database", engine, exc) from exc
+
+
+def current_revision(engine: Engine) -> str | None:
+    """The revision the database is at; None for a database that was never migrated."""
+    try:
+        with engine.connect() as connection:
+            return MigrationContext.configure(connection).get_current_revision()
+    except SQLAlchemyError as exc:
+        raise archive_error("read database", engine, exc) from exc
+
+
+def head_revision() -> str | None:
+    """The newest revision this version of the agent ships, to compare with ``current_revision``."""
+    return ScriptDirectory.from_config(_alembic_config()).get_current_head()

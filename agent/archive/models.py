@@ -1,0 +1,103 @@
+"""The archive schema as SQLAlchemy models: the source that Alembic autogenerate compares against.
+
+The tables are only ever created by the migrations in ``migrations/versions``; a test checks that a
+freshly migrated database has exactly these tables, columns, types, keys and indexes.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+
+from sqlalchemy import (
+    BigInteger,
+    CheckConstraint,
+    DateTime,
+    Dialect,
+    Float,
+    Index,
+    Integer,
+    MetaData,
+    String,
+    UniqueConstraint,
+    func,
+)
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+from sqlalchemy.types import TypeDecorator
+
+# Fixed names for every constraint so that later migrations can refer to them by name, and so that
+# SQLite (which does not keep unnamed constraint names) and PostgreSQL agree.
+NAMING_CONVENTION = {
+    "ix": "ix_%(table_name)s_%(column_0_N_name)s",
+    "uq": "uq_%(table_name)s_%(constraint_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+
+class UTCDateTime(TypeDecorator[datetime]):
+    """An aware UTC datetime on every backend.
+
+    SQLite keeps no time zone and PostgreSQL answers in the session's zone; converting on the way
+    in and out means callers always compare aware UTC values, and a naive value (whose zone is a
+    guess) is refused instead of being stored wrongly.
+    """
+
+    impl = DateTime(timezone=True)
+    cache_ok = True
+
+    def process_bind_param(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        if value.tzinfo is None:
+            raise ValueError(f"naive datetime {value.isoformat()} (the archive stores UTC)")
+        return value.astimezone(UTC)
+
+    def process_result_value(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        if value.tzinfo is None:
+            return value.replace(tzinfo=UTC)
+        return value.astimezone(UTC)
+
+
+class Base(DeclarativeBase):
+    metadata = MetaData(naming_convention=NAMING_CONVENTION)
+
+
+class TelemetryRollup(Base):
+    """One ``RollupRow``: one series (collector, device, field, labels) of one node, one period.
+
+    The unique key makes writes idempotent, so a batch replayed after a failure or from the spool
+    never doubles a period. ``min_value``/``max_value`` hold ``RollupRow.min``/``max`` (names that
+    would shadow Python built-ins). ``labels`` is ``""`` for a series without labels, never NULL,
+    because NULLs are distinct from each other in a unique key.
+    """
+
+    __tablename__ = "telemetry_rollups"
+    __table_args__ = (
+        UniqueConstraint(
+            "node", "collector", "device", "field", "labels", "period_start", name="series_period"
+        ),
+        CheckConstraint("kind IN ('gauge', 'rate')", name="kind"),
+        Index(None, "node", "field", "period_start"),
+    )
+
+    # BIGINT does not autoincrement on SQLite (only INTEGER PRIMARY KEY is the rowid).
+    id: Mapped[int] = mapped_column(
+        BigInteger().with_variant(Integer, "sqlite"), primary_key=True, autoincrement=True
+    )
+    node: Mapped[str] = mapped_column(String(255))
+    collector: Mapped[str] = mapped_column(String(64))
+    device: Mapped[str] = mapped_column(String(128))
+    field: Mapped[str] = mapped_column(String(128))
+    labels: Mapped[str] = mapped_column(String(512))
+    kind: Mapped[str] = mapped_column(String(8))
+    period_start: Mapped[datetime] = mapped_column(UTCDateTime())
+    period_seconds: Mapped[int] = mapped_column(Integer)
+    mean: Mapped[float] = mapped_column(Float)
+    min_value: Mapped[float] = mapped_column(Float)
+    max_value: Mapped[float] = mapped_column(Float)
+    p95: Mapped[float] = mapped_column(Float)
+    sample_count: Mapped[int] = mapped_column(Integer)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime(), server_default=func.now())

@@ -1,0 +1,195 @@
+"""The ``sustain`` command line.
+
+Known errors (bad configuration, bad arguments, a database or port that cannot be used) end as one
+line on standard error and exit code 2; tracebacks are for bugs only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, NoReturn
+
+from agent import __version__, config
+
+EXIT_OK = 0
+EXIT_USAGE = 2
+
+
+class UsageError(Exception):
+    """A problem with what the user asked for; printed as one line, exit code 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _add_config_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--config",
+        type=Path,
+        default=os.environ.get("SUSTAIN_CONFIG"),
+        help="TOML configuration file (default: $SUSTAIN_CONFIG, else embedded defaults)",
+    )
+    parser.add_argument("--database", metavar="URL", help="archive database URL (SQLAlchemy)")
+    parser.add_argument("--data-dir", type=Path, help="directory for the embedded SQLite archive")
+
+
+def _settings(args: argparse.Namespace) -> config.Settings:
+    overrides: dict[str, dict[str, Any]] = {}
+    if getattr(args, "database", None):
+        overrides.setdefault("archive", {})["database_url"] = args.database
+    if getattr(args, "data_dir", None):
+        overrides.setdefault("agent", {})["data_dir"] = args.data_dir
+    if getattr(args, "listen", None):
+        overrides.setdefault("exporter", {})["listen"] = args.listen
+    if getattr(args, "log_level", None):
+        overrides.setdefault("agent", {})["log_level"] = args.log_level
+    return config.load(args.config, overrides)
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return repr(value)
+    return json.dumps(str(value), ensure_ascii=False)
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from agent import daemon  # the daemon's imports are only paid for by `run`
+
+    settings = _settings(args)
+    logging.basicConfig(
+        level=settings.agent.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    # The scheduler logs every job run at INFO, and Alembic its internals: keep the log readable.
+    logging.getLogger("apscheduler").setLevel(logging.WARNING)
+    logging.getLogger("alembic").setLevel(logging.WARNING)
+    try:
+        return daemon.run(settings)
+    except daemon.StartupError as exc:
+        raise UsageError(str(exc)) from None
+
+
+def cmd_config_check(args: argparse.Namespace) -> int:
+    problems = config.check_file(args.file)
+    if problems:
+        for problem in problems:
+            print(problem)
+        return EXIT_USAGE
+    print("ok")
+    return EXIT_OK
+
+
+def cmd_config_show(args: argparse.Namespace) -> int:
+    data = config.redacted(_settings(args))
+    blocks = []
+    for section, values in data.items():
+        lines = [f"[{section}]"]
+        lines += [
+            f"{key} = {_toml_value(value)}" for key, value in values.items() if value is not None
+        ]
+        blocks.append("\n".join(lines))
+    print("\n\n".join(blocks))
+    return EXIT_OK
+
+
+def _open_archive(args: argparse.Namespace) -> Any:
+    from agent.archive.database import ArchiveError, open_engine
+
+    settings = _settings(args)
+    try:
+        return open_engine(settings.database_url)
+    except ArchiveError as exc:
+        raise UsageError(str(exc)) from None
+
+
+def cmd_db_upgrade(args: argparse.Namespace) -> int:
+    from agent.archive.database import ArchiveError, current_revision, upgrade
+
+    engine = _open_archive(args)
+    try:
+        upgrade(engine, args.revision)
+        print(f"database at revision {current_revision(engine)}")
+    except ArchiveError as exc:
+        raise UsageError(str(exc)) from None
+    finally:
+        engine.dispose()
+    return EXIT_OK
+
+
+def cmd_db_current(args: argparse.Namespace) -> int:
+    from agent.archive.database import ArchiveError, current_revision
+
+    engine = _open_archive(args)
+    try:
+        print(current_revision(engine) or "empty (no migration applied)")
+    except ArchiveError as exc:
+        raise UsageError(str(exc)) from None
+    finally:
+        engine.dispose()
+    return EXIT_OK
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="sustain", description="Sustained-throughput agent for GPU and CPU nodes."
+    )
+    parser.add_argument("--version", action="version", version=f"sustain {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    run = commands.add_parser("run", help="run the agent until SIGTERM or SIGINT")
+    _add_config_flags(run)
+    run.add_argument(
+        "--listen", metavar="HOST:PORT", help="exporter address (default 0.0.0.0:9477)"
+    )
+    run.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    run.set_defaults(handler=cmd_run)
+
+    cfg = commands.add_parser("config", help="check or show the configuration")
+    cfg_commands = cfg.add_subparsers(dest="config_command", required=True, metavar="ACTION")
+    check = cfg_commands.add_parser(
+        "check", help="validate a TOML file: 'ok' or one line per problem"
+    )
+    check.add_argument("file", type=Path)
+    check.set_defaults(handler=cmd_config_check)
+    show = cfg_commands.add_parser(
+        "show", help="print the effective configuration, secrets redacted"
+    )
+    _add_config_flags(show)
+    show.add_argument("--listen", metavar="HOST:PORT")
+    show.set_defaults(handler=cmd_config_show)
+
+    db = commands.add_parser("db", help="manage the archive database")
+    db_commands = db.add_subparsers(dest="db_command", required=True, metavar="ACTION")
+    db_upgrade = db_commands.add_parser("upgrade", help="apply schema migrations")
+    _add_config_flags(db_upgrade)
+    db_upgrade.add_argument("--revision", default="head", help="target revision (default head)")
+    db_upgrade.set_defaults(handler=cmd_db_upgrade)
+    db_current = db_commands.add_parser("current", help="print the schema revision")
+    _add_config_flags(db_current)
+    db_current.set_defaults(handler=cmd_db_current)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    handler: Callable[[argparse.Namespace], int] = args.handler
+    try:
+        return handler(args)
+    except config.ConfigError as exc:
+        for problem in exc.problems:
+            print(f"sustain: config: {problem}", file=sys.stderr)
+    except UsageError as exc:
+        print(f"sustain: error: {exc}", file=sys.stderr)
+    return EXIT_USAGE

@@ -1,0 +1,184 @@
+"""The agent's lifecycle: start everything in an order that fails early, stop it within seconds.
+
+Start-up opens the archive first (a bad database is the likeliest mistake), then binds the
+exporter, then starts the sampler loops and the scheduler. Any start-up failure is a
+``StartupError`` with one readable line; the CLI turns it into exit code 2. On SIGTERM or SIGINT
+the loops stop, the scheduler finishes its running job, the finished rollup periods are written,
+and the process exits 0.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+import time
+from collections.abc import Sequence
+from types import FrameType
+
+from apscheduler.schedulers.background import BackgroundScheduler
+from prometheus_client import CollectorRegistry
+from prometheus_client.process_collector import ProcessCollector
+
+from agent.archive.database import ArchiveError, current_revision, open_engine, upgrade
+from agent.archive.rollups import RollupWriter
+from agent.archiving import RollupJob
+from agent.buffers import TelemetryStore
+from agent.config import Settings, redact_url
+from agent.exposition import AgentMetrics
+from agent.rollup import RollupBuilder
+from agent.sampler import LoopStatus, SamplerLoop
+from agent.server import ExporterApp, ExporterServer, ListenError
+from collectors.base import Collector, Field
+from collectors.host import HostCollector
+
+log = logging.getLogger(__name__)
+
+STOP_GRACE_SECONDS = 3.0
+
+
+class StartupError(Exception):
+    """The agent cannot start; the message is one line for the operator."""
+
+
+def build_collectors(settings: Settings) -> list[Collector]:
+    collectors: list[Collector] = []
+    if settings.host.enabled:
+        collectors.append(HostCollector(procfs=settings.host.procfs, sysfs=settings.host.sysfs))
+    return collectors
+
+
+class Agent:
+    """One running agent: collectors, sampler loops, scheduler, exporter and archive."""
+
+    def __init__(self, settings: Settings, collectors: Sequence[Collector] | None = None) -> None:
+        self.settings = settings
+        self._stop = threading.Event()
+        self.collectors = list(collectors) if collectors is not None else build_collectors(settings)
+        catalogue: dict[str, dict[str, Field]] = {
+            collector.name: dict(collector.fields) for collector in self.collectors
+        }
+        self.store = TelemetryStore(settings.sampler.buffer_samples)
+        self.rollups = RollupBuilder(catalogue, settings.archive.rollup_seconds, time.time())
+
+        url = settings.database_url
+        try:
+            self._engine = open_engine(url)
+            if settings.archive.auto_upgrade:
+                before = current_revision(self._engine)
+                upgrade(self._engine)
+                after = current_revision(self._engine)
+                if after != before:
+                    log.info("archive schema upgraded from %s to %s", before or "empty", after)
+        except ArchiveError as exc:
+            raise StartupError(str(exc)) from None
+        self.rollup_job = RollupJob(
+            self.rollups,
+            RollupWriter(self._engine, settings.agent.node),
+            settings.archive.retention_days,
+        )
+
+        self.loops = [
+            SamplerLoop(
+                collector,
+                settings.sampler.interval_seconds,
+                sinks=(self.store.record, self.rollups.add),
+                stall_seconds=settings.sampler.stall_seconds,
+            )
+            for collector in self.collectors
+        ]
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(
+            AgentMetrics(
+                self.store,
+                catalogue,
+                self.loop_statuses,
+                settings.exporter.window_seconds,
+                archive=self.rollup_job.status,
+            )
+        )
+        ProcessCollector(namespace="sustain", registry=registry)
+        host, port = settings.listen_address
+        try:
+            self.server = ExporterServer(host, port, ExporterApp(registry, self.loop_statuses))
+        except ListenError as exc:
+            self._engine.dispose()
+            raise StartupError(str(exc)) from None
+
+        self.scheduler = BackgroundScheduler(timezone="UTC")
+        self.scheduler.add_job(
+            self.rollup_job.run,
+            "interval",
+            seconds=min(10, settings.archive.rollup_seconds),
+            id="rollups",
+            max_instances=1,
+            coalesce=True,
+        )
+        self.scheduler.add_job(
+            self.rollup_job.apply_retention,
+            "interval",
+            hours=1,
+            id="retention",
+            max_instances=1,
+            coalesce=True,
+        )
+        log.info(
+            "sustain ready: node %s, collectors %s, archive %s, listening on %s:%d",
+            settings.agent.node,
+            ",".join(collector.name for collector in self.collectors) or "none",
+            redact_url(url),
+            host,
+            self.server.port,
+        )
+
+    def loop_statuses(self) -> list[LoopStatus]:
+        return [loop.status() for loop in self.loops]
+
+    def start(self) -> None:
+        for loop in self.loops:
+            loop.start()
+        self.scheduler.start()
+        self.server.start()
+
+    def request_stop(self) -> None:
+        self._stop.set()
+
+    def wait(self) -> None:
+        while not self._stop.wait(1.0):
+            pass
+
+    def stop(self) -> None:
+        """Stop sampling, write every finished rollup period, release everything."""
+        started = time.monotonic()
+        for loop in self.loops:
+            loop.request_stop()
+        deadline = started + STOP_GRACE_SECONDS
+        for loop in self.loops:
+            if not loop.join(max(0.0, deadline - time.monotonic())):
+                log.warning("sampler loop %s did not stop in time", loop.collector.name)
+        self.scheduler.shutdown(wait=True)
+        self.rollup_job.run()
+        pending = self.rollup_job.status().pending_rows
+        if pending:
+            log.error("%d finished rollup rows could not be written at shutdown", pending)
+        self.server.stop()
+        for collector in self.collectors:
+            collector.close()
+        self._engine.dispose()
+        log.info("sustain stopped in %.2f s", time.monotonic() - started)
+
+
+def run(settings: Settings) -> int:
+    """Run until SIGTERM or SIGINT; return the process exit code."""
+    agent = Agent(settings)
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        log.info("received %s, stopping", signal.Signals(signum).name)
+        agent.request_stop()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    agent.start()
+    agent.wait()
+    agent.stop()
+    return 0

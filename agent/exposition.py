@@ -1,0 +1,222 @@
+"""Prometheus exposition: fresh metric families built on every scrape from the telemetry store.
+
+Nothing is registered up front, so a series that vanished from the last poll is gone from the next
+scrape. Besides its latest value, every windowed field is exported as the mean and the max over a
+fixed trailing window, so a spike between two scrapes still shows::
+
+    # HELP sustain_cpu_utilization_ratio Busy share of all CPUs since the previous poll. ...
+    # TYPE sustain_cpu_utilization_ratio gauge
+    sustain_cpu_utilization_ratio 0.231
+    sustain_cpu_utilization_window_max_ratio 0.874
+    sustain_collector_up{collector="host"} 1.0
+"""
+
+from __future__ import annotations
+
+import platform
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector as PromCollector
+
+from agent import __version__
+from agent.archiving import ArchiveStatus
+from agent.buffers import TelemetryStore
+from agent.sampler import LoopStatus
+from collectors.base import Field, Reading
+
+Catalogue = Mapping[str, Mapping[str, Field]]  # collector name -> field key -> Field
+
+
+_LOOP_FAMILIES: tuple[
+    tuple[
+        type[GaugeMetricFamily] | type[CounterMetricFamily],
+        str,
+        str,
+        Callable[[LoopStatus], float | None],
+    ],
+    ...,
+] = (
+    (
+        GaugeMetricFamily,
+        "sustain_collector_up",
+        "1 when the collector's last poll read something, 0 when it read nothing.",
+        lambda status: 1.0 if status.up else 0.0,
+    ),
+    (
+        CounterMetricFamily,
+        "sustain_collector_polls",
+        "Polls of the collector.",
+        lambda status: status.polls,
+    ),
+    (
+        GaugeMetricFamily,
+        "sustain_collector_poll_duration_seconds",
+        "Time the collector's last poll took.",
+        lambda status: status.last_duration_seconds,
+    ),
+    (
+        GaugeMetricFamily,
+        "sustain_sampler_interval_seconds",
+        "Configured polling interval of the sampler loop.",
+        lambda status: status.interval_seconds,
+    ),
+    (
+        GaugeMetricFamily,
+        "sustain_sampler_lag_seconds",
+        "How late the loop's last poll started against its deadline.",
+        lambda status: status.last_lag_seconds,
+    ),
+    (
+        CounterMetricFamily,
+        "sustain_sampler_missed_polls",
+        "Deadlines skipped because a poll overran its slot.",
+        lambda status: status.missed_polls,
+    ),
+    (
+        GaugeMetricFamily,
+        "sustain_sampler_last_poll_timestamp_seconds",
+        "Unix time the loop's last poll finished.",
+        lambda status: status.last_poll_timestamp,
+    ),
+    (
+        GaugeMetricFamily,
+        "sustain_sampler_stalled",
+        "1 when the loop has finished no poll for its stall time (see /healthz).",
+        lambda status: 1.0 if status.stalled else 0.0,
+    ),
+)
+
+
+def _label_values(field: Field, labels: tuple[tuple[str, str], ...]) -> list[str]:
+    return [value for _, value in labels] if field.labels else []
+
+
+class AgentMetrics(PromCollector):
+    """The agent's whole exposition, except the process metrics of prometheus_client."""
+
+    def __init__(
+        self,
+        store: TelemetryStore,
+        catalogue: Catalogue,
+        loops: Callable[[], Sequence[LoopStatus]],
+        window_seconds: float,
+        archive: Callable[[], ArchiveStatus] | None = None,
+    ) -> None:
+        self._store = store
+        self._catalogue = catalogue
+        self._loops = loops
+        self._window = window_seconds
+        self._archive = archive
+
+    def describe(self) -> list[Metric]:
+        # An empty description keeps the registry from calling collect() at registration time.
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        yield from self._telemetry()
+        yield from self._self_metrics()
+
+    def _telemetry(self) -> Iterator[Metric]:
+        since = time.time() - self._window
+        readings: dict[tuple[str, str], list[tuple[str, Reading]]] = {}
+        for sample in self._store.latest():
+            for reading in sample.readings:
+                readings.setdefault((sample.collector, reading.field), []).append(
+                    (sample.device, reading)
+                )
+        intervals = {status.collector: status.interval_seconds for status in self._loops()}
+        for collector, fields in sorted(self._catalogue.items()):
+            interval = intervals.get(collector)
+            suffix = f" Sampled every {interval:g} s." if interval else ""
+            for key, field in fields.items():
+                found = readings.get((collector, key))
+                if found:
+                    yield from self._field_families(collector, field, found, since, suffix)
+
+    def _field_families(
+        self,
+        collector: str,
+        field: Field,
+        readings: list[tuple[str, Reading]],
+        since: float,
+        suffix: str,
+    ) -> Iterator[Metric]:
+        family_type = CounterMetricFamily if field.kind == "counter" else GaugeMetricFamily
+        latest = family_type(field.metric_name, field.help + suffix, labels=list(field.labels))
+        for _, reading in readings:
+            latest.add_metric(_label_values(field, reading.labels), reading.value)
+        yield latest
+        if not field.windowed:
+            return
+        window_mean = GaugeMetricFamily(
+            field.window_metric_name("mean"),
+            f"{field.help} Mean over the last {self._window:g} s.",
+            labels=list(field.labels),
+        )
+        window_max = GaugeMetricFamily(
+            field.window_metric_name("max"),
+            f"{field.help} Maximum over the last {self._window:g} s.",
+            labels=list(field.labels),
+        )
+        for device, reading in readings:
+            stats = self._store.window((collector, device, field.key, reading.labels), since)
+            if stats is not None:
+                values = _label_values(field, reading.labels)
+                window_mean.add_metric(values, stats.mean)
+                window_max.add_metric(values, stats.max)
+        yield window_mean
+        yield window_max
+
+    def _self_metrics(self) -> Iterator[Metric]:
+        build = GaugeMetricFamily(
+            "sustain_build_info",
+            "Version of the agent and of the Python it runs on; value 1.",
+            labels=["version", "python_version"],
+        )
+        build.add_metric([__version__, platform.python_version()], 1)
+        yield build
+
+        statuses = sorted(self._loops(), key=lambda status: status.collector)
+        for family_type, name, help_text, value_of in _LOOP_FAMILIES:
+            family = family_type(name, help_text, labels=["collector"])
+            for status in statuses:
+                value = value_of(status)
+                if value is not None:
+                    family.add_metric([status.collector], value)
+            yield family
+        errors = CounterMetricFamily(
+            "sustain_collector_errors",
+            "Failures met while polling, by kind (one unreadable field, or a whole poll).",
+            labels=["collector", "kind"],
+        )
+        for status in statuses:
+            for kind, count in sorted(status.errors.items()):
+                errors.add_metric([status.collector, kind], count)
+        yield errors
+
+        if self._archive is None:
+            return
+        archive = self._archive()
+        yield GaugeMetricFamily(
+            "sustain_rollup_pending_rows",
+            "Finished rollup rows waiting to be written to the archive.",
+            value=archive.pending_rows,
+        )
+        yield CounterMetricFamily(
+            "sustain_rollup_rows_written",
+            "Rollup rows written to the archive.",
+            value=archive.rows_written,
+        )
+        yield CounterMetricFamily(
+            "sustain_rollup_write_errors",
+            "Failed rollup writes (their rows are kept and retried).",
+            value=archive.write_errors,
+        )
+        if archive.last_write_timestamp is not None:
+            yield GaugeMetricFamily(
+                "sustain_rollup_last_write_timestamp_seconds",
+                "Unix time of the last successful rollup write.",
+                value=archive.last_write_timestamp,
+            )

@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Sets up a virtual environment and runs the whole test suite: lint, types, tests.
+# Usage: bash tests/run.sh [pytest arguments]. Needs python3 (>= 3.11) and the PostgreSQL server
+# at 127.0.0.1:5432 (database "test", trust auth) that the archive tests run against.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+python3 -m venv .venv
+# torch is pinned to the CPU build here; the project itself accepts any torch >= 2.3.
+.venv/bin/python -m pip install --quiet --disable-pip-version-check torch==2.13.0 -e '.[dev]'
+
+.venv/bin/ruff check .
+.venv/bin/mypy
+status=0
+.venv/bin/python -m pytest "$@" || status=$?
+if [ "$status" -eq 5 ]; then
+  echo "tests/run.sh: pytest collected no tests; that is a failure" >&2
+fi
+exit "$status"

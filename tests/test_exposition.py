@@ -1,0 +1,170 @@
+"""The exposition: the golden file for host telemetry, the metrics catalogue in docs/metrics.md,
+and /healthz over a real socket."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.process_collector import ProcessCollector
+
+from agent.archive.database import open_engine, upgrade
+from agent.archive.rollups import RollupWriter
+from agent.archiving import RollupJob
+from agent.buffers import TelemetryStore
+from agent.exposition import AgentMetrics
+from agent.rollup import RollupBuilder
+from agent.sampler import SamplerLoop
+from agent.server import ExporterApp, ExporterServer
+from collectors.host import HostCollector
+
+ROOT = Path(__file__).parent.parent
+FIXTURE = Path(__file__).parent / "fixtures" / "host"
+GOLDEN = Path(__file__).parent / "golden" / "host.prom"
+SELF_PREFIXES = (
+    "sustain_collector_",
+    "sustain_sampler_",
+    "sustain_rollup_",
+    "sustain_process_",
+    "sustain_build_info",
+)
+
+
+def advance_stat(proc: Path) -> None:
+    """Add busy and idle jiffies to every cpu line of a copied /proc/stat (1/4 busy)."""
+    lines = []
+    for line in (proc / "stat").read_text().splitlines():
+        if line.startswith("cpu"):
+            name, *columns = line.split()
+            numbers = [int(column) for column in columns]
+            numbers[0] += 100  # user
+            numbers[3] += 300  # idle
+            lines.append(" ".join([name, *map(str, numbers)]))
+        else:
+            lines.append(line)
+    (proc / "stat").write_text("\n".join(lines) + "\n")
+
+
+@pytest.fixture
+def host_tree(tmp_path: Path) -> Path:
+    tree = tmp_path / "host"
+    shutil.copytree(FIXTURE, tree)
+    return tree
+
+
+@pytest.fixture
+def exposition_parts(
+    host_tree: Path, tmp_path: Path
+) -> Iterator[tuple[CollectorRegistry, SamplerLoop, RollupJob]]:
+    collector = HostCollector(procfs=host_tree / "proc", sysfs=host_tree / "sys")
+    store = TelemetryStore(64)
+    builder = RollupBuilder({"host": dict(collector.fields)}, 10, started_at=0.0)
+    loop = SamplerLoop(collector, 1.0, sinks=(store.record, builder.add), stall_seconds=30)
+    loop.poll_once()
+    advance_stat(host_tree / "proc")
+    energy = host_tree / "sys" / "class" / "powercap" / "intel-rapl:0" / "energy_uj"
+    energy.write_text(str(int(energy.read_text()) + 5_000_000) + "\n")
+    time.sleep(0.05)
+    loop.poll_once()
+
+    engine = open_engine(f"sqlite:///{tmp_path}/archive.db")
+    upgrade(engine)
+    job = RollupJob(builder, RollupWriter(engine, "node-a"), retention_days=1)
+    job.run(now=time.time() + 20)  # close the period the two polls fell in
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(
+        AgentMetrics(
+            store,
+            {"host": dict(collector.fields)},
+            lambda: [loop.status()],
+            15.0,
+            archive=job.status,
+        )
+    )
+    ProcessCollector(namespace="sustain", registry=registry)
+    yield registry, loop, job
+    engine.dispose()
+
+
+def host_lines(text: str) -> str:
+    kept = []
+    for line in text.splitlines():
+        name = line.split()[2] if line.startswith("#") else line
+        if not name.startswith(SELF_PREFIXES):
+            kept.append(line)
+    return "\n".join(kept) + "\n"
+
+
+def test_host_exposition_matches_golden_file(
+    exposition_parts: tuple[CollectorRegistry, SamplerLoop, RollupJob],
+) -> None:
+    registry, _, _ = exposition_parts
+    text = host_lines(generate_latest(registry).decode())
+    if os.environ.get("SUSTAIN_UPDATE_GOLDEN"):
+        GOLDEN.parent.mkdir(exist_ok=True)
+        GOLDEN.write_text(text)
+    assert text == GOLDEN.read_text()
+
+
+def catalogue() -> dict[str, tuple[str, tuple[str, ...]]]:
+    """name -> (type, labels) from the tables of docs/metrics.md."""
+    entries = {}
+    for line in (ROOT / "docs" / "metrics.md").read_text().splitlines():
+        cells = [cell.strip() for cell in line.split("|")[1:-1]]
+        if len(cells) < 4 or not re.fullmatch(r"`sustain_[a-z0-9_]+`", cells[0]):
+            continue
+        labels = tuple(sorted(part.strip() for part in cells[3].split(",") if part.strip()))
+        entries[cells[0].strip("`")] = (cells[1], labels)
+    return entries
+
+
+def test_catalogue_and_exposition_agree(
+    exposition_parts: tuple[CollectorRegistry, SamplerLoop, RollupJob],
+) -> None:
+    registry, _, job = exposition_parts
+    assert job.status().rows_written > 0
+    exposed: dict[str, tuple[str, tuple[str, ...]]] = {}
+    for family in text_string_to_metric_families(generate_latest(registry).decode()):
+        name = family.name + ("_total" if family.type == "counter" else "")
+        seen = {label for sample in family.samples for label in sample.labels}
+        exposed[name] = (family.type, tuple(sorted(seen)))
+    documented = catalogue()
+    assert sorted(set(exposed) - set(documented)) == [], "exposed but not in docs/metrics.md"
+    assert sorted(set(documented) - set(exposed)) == [], "in docs/metrics.md but not exposed"
+    for name, (kind, labels) in documented.items():
+        assert exposed[name][0] == kind, name
+        # A family with no series yet (no errors so far) shows no labels to compare.
+        if exposed[name][1]:
+            assert exposed[name][1] == labels, name
+
+
+def test_healthz_turns_503_when_a_loop_stalls(
+    exposition_parts: tuple[CollectorRegistry, SamplerLoop, RollupJob],
+) -> None:
+    registry, loop, _ = exposition_parts
+    loop.stall_seconds = 0.2
+    loop.interval_seconds = 0.05
+    server = ExporterServer("127.0.0.1", 0, ExporterApp(registry, lambda: [loop.status()]))
+    server.start()
+    try:
+        loop.poll_once()
+        with urllib.request.urlopen(f"http://127.0.0.1:{server.port}/healthz") as response:
+            assert response.status == 200
+        time.sleep(0.3)  # no poll for longer than the stall time
+        with pytest.raises(urllib.error.HTTPError) as raised:
+            urllib.request.urlopen(f"http://127.0.0.1:{server.port}/healthz")
+        assert raised.value.code == 503
+        assert raised.value.read() == b"stalled: host\n"
+        with urllib.request.urlopen(f"http://127.0.0.1:{server.port}/metrics") as response:
+            assert b'sustain_sampler_stalled{collector="host"} 1.0' in response.read()
+    finally:
+        server.stop()
