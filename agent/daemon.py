@@ -13,7 +13,6 @@ import logging
 import signal
 import threading
 import time
-from collections.abc import Sequence
 from types import FrameType
 
 from apscheduler.schedulers.background import BackgroundScheduler
@@ -51,10 +50,14 @@ def build_collectors(settings: Settings) -> list[Collector]:
 class Agent:
     """One running agent: collectors, sampler loops, scheduler, exporter and archive."""
 
-    def __init__(self, settings: Settings, collectors: Sequence[Collector] | None = None) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        stop: threading.Event | None = None,
+    ) -> None:
         self.settings = settings
-        self._stop = threading.Event()
-        self.collectors = list(collectors) if collectors is not None else build_collectors(settings)
+        self._stop = stop or threading.Event()
+        self.collectors = build_collectors(settings)
         catalogue: dict[str, dict[str, Field]] = {
             collector.name: dict(collector.fields) for collector in self.collectors
         }
@@ -170,14 +173,16 @@ class Agent:
 
 def run(settings: Settings) -> int:
     """Run until SIGTERM or SIGINT; return the process exit code."""
-    agent = Agent(settings)
+    stop = threading.Event()
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
         log.info("received %s, stopping", signal.Signals(signum).name)
-        agent.request_stop()
+        stop.set()
 
+    # Installed before start-up, so a signal during migrations still ends in an orderly stop.
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    agent = Agent(settings, stop=stop)
     agent.start()
     agent.wait()
     agent.stop()

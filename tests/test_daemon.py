@@ -68,9 +68,9 @@ class Running:
         """Host metrics within 15 s of start (utilization needs two polls)."""
         return self.wait_for("sustain_cpu_utilization_ratio ")
 
-    def terminate(self) -> tuple[int, float, str]:
+    def terminate(self, signum: int = signal.SIGTERM) -> tuple[int, float, str]:
         started = time.monotonic()
-        self.process.send_signal(signal.SIGTERM)
+        self.process.send_signal(signum)
         _, err = self.process.communicate(timeout=10)
         return self.process.returncode, time.monotonic() - started, err
 
@@ -201,6 +201,13 @@ def test_healthz_and_metrics_with_fixture_tree(tmp_path: Path) -> None:
     finally:
         code, _, err = running.terminate()
     assert code == 0, err
+
+
+def test_sigint_stops_like_sigterm(agent: Running) -> None:
+    agent.wait_ready()
+    code, seconds, err = agent.terminate(signal.SIGINT)
+    assert (code, "received SIGINT" in err, "Traceback" in err) == (0, True, False), err
+    assert seconds < 5
 
 
 def test_port_in_use_is_one_line_exit_2(tmp_path: Path) -> None:
