@@ -128,6 +128,13 @@ class HostSection(_Section):
     )
 
 
+class NvmlSection(_Section):
+    enabled: bool = Field(
+        default=True,
+        description="Collect NVIDIA GPU telemetry through NVML (reported down where no driver).",
+    )
+
+
 class ArchiveSection(_Section):
     database_url: str | None = Field(
         default=None,
@@ -192,6 +199,7 @@ class Settings(BaseSettings):
     exporter: ExporterSection = Field(default_factory=ExporterSection)
     sampler: SamplerSection = Field(default_factory=SamplerSection)
     host: HostSection = Field(default_factory=HostSection)
+    nvml: NvmlSection = Field(default_factory=NvmlSection)
     archive: ArchiveSection = Field(default_factory=ArchiveSection)
 
     @property

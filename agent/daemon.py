@@ -20,8 +20,9 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.process_collector import ProcessCollector
 
 from agent.archive.database import ArchiveError, current_revision, open_engine, upgrade
+from agent.archive.events import EventWriter
 from agent.archive.rollups import RollupWriter
-from agent.archiving import RollupJob
+from agent.archiving import ArchiveJob
 from agent.buffers import TelemetryStore
 from agent.config import Settings, redact_url
 from agent.exposition import AgentMetrics
@@ -30,6 +31,7 @@ from agent.sampler import LoopStatus, SamplerLoop
 from agent.server import ExporterApp, ExporterServer, ListenError
 from collectors.base import Collector, Field
 from collectors.host import HostCollector
+from collectors.nvml import NvmlCollector
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +46,8 @@ def build_collectors(settings: Settings) -> list[Collector]:
     collectors: list[Collector] = []
     if settings.host.enabled:
         collectors.append(HostCollector(procfs=settings.host.procfs, sysfs=settings.host.sysfs))
+    if settings.nvml.enabled:
+        collectors.append(NvmlCollector())
     return collectors
 
 
@@ -75,9 +79,10 @@ class Agent:
                     log.info("archive schema upgraded from %s to %s", before or "empty", after)
         except ArchiveError as exc:
             raise StartupError(str(exc)) from None
-        self.rollup_job = RollupJob(
+        self.archive_job = ArchiveJob(
             self.rollups,
             RollupWriter(self._engine, settings.agent.node),
+            EventWriter(self._engine, settings.agent.node),
             settings.archive.retention_days,
         )
 
@@ -85,7 +90,7 @@ class Agent:
             SamplerLoop(
                 collector,
                 settings.sampler.interval_seconds,
-                sinks=(self.store.record, self.rollups.add),
+                sinks=(self.store.record, self.rollups.add, self.archive_job.add_events),
                 stall_seconds=settings.sampler.stall_seconds,
             )
             for collector in self.collectors
@@ -97,7 +102,7 @@ class Agent:
                 catalogue,
                 self.loop_statuses,
                 settings.exporter.window_seconds,
-                archive=self.rollup_job.status,
+                archive=self.archive_job.status,
             )
         )
         ProcessCollector(namespace="sustain", registry=registry)
@@ -110,7 +115,7 @@ class Agent:
 
         self.scheduler = BackgroundScheduler(timezone="UTC")
         self.scheduler.add_job(
-            self.rollup_job.run,
+            self.archive_job.run,
             "interval",
             seconds=min(10, settings.archive.rollup_seconds),
             id="rollups",
@@ -118,7 +123,7 @@ class Agent:
             coalesce=True,
         )
         self.scheduler.add_job(
-            self.rollup_job.apply_retention,
+            self.archive_job.apply_retention,
             "interval",
             hours=1,
             id="retention",
@@ -160,10 +165,14 @@ class Agent:
             if not loop.join(max(0.0, deadline - time.monotonic())):
                 log.warning("sampler loop %s did not stop in time", loop.collector.name)
         self.scheduler.shutdown(wait=True)
-        self.rollup_job.run()
-        pending = self.rollup_job.status().pending_rows
-        if pending:
-            log.error("%d finished rollup rows could not be written at shutdown", pending)
+        self.archive_job.run()
+        status = self.archive_job.status()
+        if status.pending_rows or status.pending_events:
+            log.error(
+                "%d rollup rows and %d events could not be written at shutdown",
+                status.pending_rows,
+                status.pending_events,
+            )
         self.server.stop()
         for collector in self.collectors:
             collector.close()

@@ -209,14 +209,24 @@ class AgentMetrics(PromCollector):
             "Rollup rows written to the archive.",
             value=archive.rows_written,
         )
+        yield GaugeMetricFamily(
+            "sustain_events_pending",
+            "Events waiting to be written to the archive.",
+            value=archive.pending_events,
+        )
         yield CounterMetricFamily(
-            "sustain_rollup_write_errors",
-            "Failed rollup writes (their rows are kept and retried).",
+            "sustain_events_written",
+            "Events written to the archive.",
+            value=archive.events_written,
+        )
+        yield CounterMetricFamily(
+            "sustain_archive_write_errors",
+            "Failed archive writes (their rows and events are kept and retried).",
             value=archive.write_errors,
         )
         if archive.last_write_timestamp is not None:
             yield GaugeMetricFamily(
-                "sustain_rollup_last_write_timestamp_seconds",
-                "Unix time of the last successful rollup write.",
+                "sustain_archive_last_write_timestamp_seconds",
+                "Unix time of the last successful archive write.",
                 value=archive.last_write_timestamp,
             )

@@ -15,7 +15,7 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from collectors.base import Collector, CollectorError, Sample
+from collectors.base import Collector, CollectorError, Sample, SourceUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +97,10 @@ class SamplerLoop:
         up = True
         try:
             samples = self.collector.collect()
+        except SourceUnavailable:
+            up = False
+            with self._lock:
+                self._errors["unavailable"] += 1
         except CollectorError as exc:
             up = False
             self._count_error("collect", str(exc))

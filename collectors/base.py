@@ -7,6 +7,7 @@ before a reading is built, so nothing downstream ever sees MHz, mW, kB or percen
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
@@ -61,19 +62,41 @@ class Reading:
 
 
 @dataclass(frozen=True, slots=True)
+class Event:
+    """Something that happened once and belongs in the archive's event log (a device lost, an
+    XID error), as opposed to a reading that is sampled again and again."""
+
+    kind: str
+    device: str
+    timestamp: float
+    message: str
+    attributes: tuple[tuple[str, str], ...] = ()
+    # Made where the event happens, so that the archive stores it once however often it is sent.
+    id: str = field(default_factory=lambda: uuid.uuid4().hex)
+
+
+@dataclass(frozen=True, slots=True)
 class Sample:
     """One poll of a collector. ``device`` is the device the readings belong to ("host" for the
-    host collector); ``errors`` names the kinds of per-field failures met during the poll."""
+    host collector, the UUID for a GPU); ``errors`` names the kinds of per-field failures met
+    during the poll; ``events`` are what the poll noticed happening."""
 
     collector: str
     device: str
     timestamp: float
     readings: tuple[Reading, ...]
     errors: tuple[str, ...] = field(default=())
+    events: tuple[Event, ...] = field(default=())
 
 
 class CollectorError(Exception):
     """The collector could read nothing at all during this poll."""
+
+
+class SourceUnavailable(CollectorError):
+    """The source does not exist on this node (no driver, no device). Not a fault: the collector
+    says so once in the log itself, and the sampler only counts it and reports the collector
+    down."""
 
 
 class Collector(Protocol):

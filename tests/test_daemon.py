@@ -136,7 +136,11 @@ def test_serves_host_metrics_in_base_units_and_stops_on_sigterm(agent: Running) 
     assert all(1e8 < value < 1e10 for _, value in frequencies)  # hertz, not MHz
     ((_, total),) = metrics["sustain_memory_total_bytes"]
     assert total > 2**30  # bytes, not kB
-    assert metrics["sustain_collector_up"] == [({"collector": "host"}, 1.0)]
+    # No NVIDIA driver here: the NVML collector reports itself down and the agent runs on.
+    assert sorted(metrics["sustain_collector_up"], key=str) == [
+        ({"collector": "host"}, 1.0),
+        ({"collector": "nvml"}, 0.0),
+    ]
     ((labels, _),) = metrics["sustain_build_info"]
     assert labels["version"]
 
@@ -151,6 +155,7 @@ def test_serves_host_metrics_in_base_units_and_stops_on_sigterm(agent: Running) 
     assert code == 0, err
     assert seconds < 5
     assert "Traceback" not in err
+    assert err.count("NVML unavailable") == 1, err  # one line, not one per poll
 
 
 def test_rollups_one_row_per_series_per_whole_period(agent: Running) -> None:

@@ -18,8 +18,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.process_collector import ProcessCollector
 
 from agent.archive.database import open_engine, upgrade
+from agent.archive.events import EventWriter
 from agent.archive.rollups import RollupWriter
-from agent.archiving import RollupJob
+from agent.archiving import ArchiveJob
 from agent.buffers import TelemetryStore
 from agent.exposition import AgentMetrics
 from agent.rollup import RollupBuilder
@@ -35,6 +36,8 @@ SELF_PREFIXES = (
     "sustain_sampler_",
     "sustain_rollup_",
     "sustain_process_",
+    "sustain_events_",
+    "sustain_archive_",
     "sustain_build_info",
 )
 
@@ -64,7 +67,7 @@ def host_tree(tmp_path: Path) -> Path:
 @pytest.fixture
 def exposition_parts(
     host_tree: Path, tmp_path: Path
-) -> Iterator[tuple[CollectorRegistry, SamplerLoop, RollupJob]]:
+) -> Iterator[tuple[CollectorRegistry, SamplerLoop, ArchiveJob]]:
     collector = HostCollector(procfs=host_tree / "proc", sysfs=host_tree / "sys")
     store = TelemetryStore(64)
     builder = RollupBuilder({"host": dict(collector.fields)}, 10, started_at=0.0)
@@ -78,7 +81,9 @@ def exposition_parts(
 
     engine = open_engine(f"sqlite:///{tmp_path}/archive.db")
     upgrade(engine)
-    job = RollupJob(builder, RollupWriter(engine, "node-a"), retention_days=1)
+    job = ArchiveJob(
+        builder, RollupWriter(engine, "node-a"), EventWriter(engine, "node-a"), retention_days=1
+    )
     job.run(now=time.time() + 20)  # close the period the two polls fell in
     registry = CollectorRegistry(auto_describe=False)
     registry.register(
@@ -105,7 +110,7 @@ def host_lines(text: str) -> str:
 
 
 def test_host_exposition_matches_golden_file(
-    exposition_parts: tuple[CollectorRegistry, SamplerLoop, RollupJob],
+    exposition_parts: tuple[CollectorRegistry, SamplerLoop, ArchiveJob],
 ) -> None:
     registry, _, _ = exposition_parts
     text = host_lines(generate_latest(registry).decode())
@@ -128,7 +133,7 @@ def catalogue() -> dict[str, tuple[str, tuple[str, ...]]]:
 
 
 def test_catalogue_and_exposition_agree(
-    exposition_parts: tuple[CollectorRegistry, SamplerLoop, RollupJob],
+    exposition_parts: tuple[CollectorRegistry, SamplerLoop, ArchiveJob],
 ) -> None:
     registry, _, job = exposition_parts
     assert job.status().rows_written > 0
@@ -148,7 +153,7 @@ def test_catalogue_and_exposition_agree(
 
 
 def test_healthz_turns_503_when_a_loop_stalls(
-    exposition_parts: tuple[CollectorRegistry, SamplerLoop, RollupJob],
+    exposition_parts: tuple[CollectorRegistry, SamplerLoop, ArchiveJob],
 ) -> None:
     registry, loop, _ = exposition_parts
     loop.stall_seconds = 0.2

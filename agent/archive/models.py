@@ -18,6 +18,7 @@ from sqlalchemy import (
     Integer,
     MetaData,
     String,
+    Text,
     UniqueConstraint,
     func,
 )
@@ -100,4 +101,31 @@ class TelemetryRollup(Base):
     max_value: Mapped[float] = mapped_column(Float)
     p95: Mapped[float] = mapped_column(Float)
     sample_count: Mapped[int] = mapped_column(Integer)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime(), server_default=func.now())
+
+
+class EventRecord(Base):
+    """One ``collectors.base.Event``: a device lost or recovered, an XID error, ...
+
+    ``event_id`` is made by the agent when the event happens, so a write retried after an
+    ambiguous failure stores it once. ``attributes`` is canonical JSON (sorted keys).
+    """
+
+    __tablename__ = "events"
+    __table_args__ = (
+        UniqueConstraint("event_id", name="event_id"),
+        Index(None, "node", "occurred_at"),
+        Index(None, "kind", "occurred_at"),
+    )
+
+    id: Mapped[int] = mapped_column(
+        BigInteger().with_variant(Integer, "sqlite"), primary_key=True, autoincrement=True
+    )
+    event_id: Mapped[str] = mapped_column(String(32))
+    node: Mapped[str] = mapped_column(String(255))
+    device: Mapped[str] = mapped_column(String(128))
+    kind: Mapped[str] = mapped_column(String(64))
+    occurred_at: Mapped[datetime] = mapped_column(UTCDateTime())
+    message: Mapped[str] = mapped_column(Text)
+    attributes: Mapped[str] = mapped_column(Text)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime(), server_default=func.now())

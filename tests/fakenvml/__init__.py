@@ -1,0 +1,1 @@
+"""A fake libnvidia-ml.so.1 for tests on machines without a GPU: see README.md."""

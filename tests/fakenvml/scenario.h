@@ -1,0 +1,202 @@
+/*
+ * The scenario model: what a scenario file declares (devices, time-scripted values, faults,
+ * XID events, processes) and the queries the NVML entry points make of it. Nothing here
+ * locks; the caller (fakenvml.c) holds its mutex around every use.
+ */
+#ifndef FAKENVML_SCENARIO_H
+#define FAKENVML_SCENARIO_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "nvml_abi.h"
+
+#define FAKE_MAX_DEVICES 64
+
+/* Every numeric key; the table in scenario.c gives each its name, kind and default. */
+enum key {
+    K_COMPUTE_CAPABILITY_MAJOR,
+    K_COMPUTE_CAPABILITY_MINOR,
+    K_ARCHITECTURE,
+    K_MEMORY_TOTAL_BYTES,
+    K_MEMORY_RESERVED_BYTES,
+    K_MEMORY_USED_BYTES,
+    K_MAX_SM_CLOCK_MHZ,
+    K_MAX_MEM_CLOCK_MHZ,
+    K_MAX_GRAPHICS_CLOCK_MHZ,
+    K_MAX_VIDEO_CLOCK_MHZ,
+    K_SM_CLOCK_MHZ,
+    K_MEM_CLOCK_MHZ,
+    K_GRAPHICS_CLOCK_MHZ,
+    K_VIDEO_CLOCK_MHZ,
+    K_POWER_MW,
+    K_POWER_LIMIT_MW,
+    K_GPU_TEMP_C,
+    K_MEM_TEMP_C,
+    K_SLOWDOWN_TEMP_C,
+    K_SHUTDOWN_TEMP_C,
+    K_GPU_UTIL_PCT,
+    K_MEM_UTIL_PCT,
+    K_PCIE_GEN,
+    K_PCIE_WIDTH,
+    K_MAX_PCIE_GEN,
+    K_MAX_PCIE_WIDTH,
+    K_PCIE_TX_KBPS,
+    K_PCIE_RX_KBPS,
+    K_FAN_PCT,
+    K_PSTATE,
+    K_REASONS,
+    K_ECC_CORRECTED,
+    K_ECC_UNCORRECTED,
+    K_REMAPPED_CORRECTED,
+    K_REMAPPED_UNCORRECTED,
+    K_REMAPPED_PENDING,
+    K_REMAPPED_FAILURE,
+    K_GPM_SUPPORTED,
+    K_GPM_DRAM_BW_UTIL_PCT,
+    K_GPM_SM_OCCUPANCY_PCT,
+    K_GPM_TENSOR_UTIL_PCT,
+    K_GPM_SM_UTIL_PCT,
+    K_GPM_GRAPHICS_UTIL_PCT,
+    /* Static keys: device lines only. */
+    K_ENERGY_MJ,
+    K_PCI_DEVICE_ID,
+    K_PCI_SUBSYSTEM_ID,
+    K_SUPPORTED_REASONS,
+    K_SUPPORTED_EVENT_TYPES,
+    K_COUNT
+};
+
+/* Every device entry point, by name: `fault` lines name them, and each one checks its faults. */
+#define FAKE_DEVICE_FUNCTIONS(X)                  \
+    X(nvmlDeviceGetHandleByIndex_v2)              \
+    X(nvmlDeviceGetHandleByUUID)                  \
+    X(nvmlDeviceGetIndex)                         \
+    X(nvmlDeviceGetUUID)                          \
+    X(nvmlDeviceGetName)                          \
+    X(nvmlDeviceGetSerial)                        \
+    X(nvmlDeviceGetPciInfo_v3)                    \
+    X(nvmlDeviceGetVbiosVersion)                  \
+    X(nvmlDeviceGetBoardPartNumber)               \
+    X(nvmlDeviceGetCudaComputeCapability)         \
+    X(nvmlDeviceGetArchitecture)                  \
+    X(nvmlDeviceGetClockInfo)                     \
+    X(nvmlDeviceGetMaxClockInfo)                  \
+    X(nvmlDeviceGetPowerUsage)                    \
+    X(nvmlDeviceGetEnforcedPowerLimit)            \
+    X(nvmlDeviceGetPowerManagementLimit)          \
+    X(nvmlDeviceGetTotalEnergyConsumption)        \
+    X(nvmlDeviceGetTemperature)                   \
+    X(nvmlDeviceGetTemperatureV)                  \
+    X(nvmlDeviceGetTemperatureThreshold)          \
+    X(nvmlDeviceGetUtilizationRates)              \
+    X(nvmlDeviceGetMemoryInfo)                    \
+    X(nvmlDeviceGetMemoryInfo_v2)                 \
+    X(nvmlDeviceGetCurrPcieLinkGeneration)        \
+    X(nvmlDeviceGetMaxPcieLinkGeneration)         \
+    X(nvmlDeviceGetCurrPcieLinkWidth)             \
+    X(nvmlDeviceGetMaxPcieLinkWidth)              \
+    X(nvmlDeviceGetPcieThroughput)                \
+    X(nvmlDeviceGetFanSpeed)                      \
+    X(nvmlDeviceGetPerformanceState)              \
+    X(nvmlDeviceGetCurrentClocksEventReasons)     \
+    X(nvmlDeviceGetCurrentClocksThrottleReasons)  \
+    X(nvmlDeviceGetSupportedClocksEventReasons)   \
+    X(nvmlDeviceGetSupportedClocksThrottleReasons) \
+    X(nvmlDeviceGetFieldValues)                   \
+    X(nvmlDeviceGetViolationStatus)               \
+    X(nvmlDeviceGetTotalEccErrors)                \
+    X(nvmlDeviceGetRemappedRows)                  \
+    X(nvmlDeviceGetComputeRunningProcesses_v3)    \
+    X(nvmlDeviceGetSupportedEventTypes)           \
+    X(nvmlDeviceRegisterEvents)                   \
+    X(nvmlGpmQueryDeviceSupport)                  \
+    X(nvmlGpmSampleGet)                           \
+    X(nvmlGpmMetricsGet)
+
+enum fn {
+#define FAKE_FN_ENUM(name) FN_##name,
+    FAKE_DEVICE_FUNCTIONS(FAKE_FN_ENUM)
+#undef FAKE_FN_ENUM
+    FN_COUNT
+};
+
+/* A function-specific fault without a field targets the whole call. */
+#define FAKE_NO_FIELD UINT32_MAX
+
+struct step {
+    double t;
+    double value;
+};
+
+/* A step function of scenario time: `base` until the first step, then each step's value. */
+struct series {
+    double base;
+    bool set; /* given on a device line or by an `at` line */
+    struct step *steps;
+    size_t n, cap;
+};
+
+struct fault {
+    nvmlReturn_t code;
+    bool lost;         /* every call on the device */
+    enum fn fn;        /* otherwise this function ... */
+    uint32_t field_id; /* ... or, for nvmlDeviceGetFieldValues, this field only */
+    double start, end; /* start <= t < end */
+};
+
+struct xid {
+    double t;
+    unsigned long long xid;
+};
+
+struct process {
+    unsigned int pid;
+    unsigned long long used_bytes;
+    double start, end;
+};
+
+struct device {
+    char name[NVML_DEVICE_NAME_V2_BUFFER_SIZE];
+    char uuid[NVML_DEVICE_UUID_V2_BUFFER_SIZE];
+    char serial[NVML_DEVICE_SERIAL_BUFFER_SIZE];
+    char vbios_version[NVML_DEVICE_VBIOS_VERSION_BUFFER_SIZE];
+    char board_part_number[NVML_DEVICE_PART_NUMBER_BUFFER_SIZE];
+    unsigned int pci_domain, pci_bus, pci_device, pci_function;
+    struct series series[K_COUNT];
+    struct fault *faults;
+    size_t n_faults, cap_faults;
+    struct xid *xids; /* sorted by time, file order among equal times */
+    size_t n_xids, cap_xids;
+    struct process *processes;
+    size_t n_processes, cap_processes;
+};
+
+struct scenario {
+    double time_scale;
+    char driver_version[NVML_SYSTEM_DRIVER_VERSION_BUFFER_SIZE];
+    char nvml_version[NVML_SYSTEM_NVML_VERSION_BUFFER_SIZE];
+    int cuda_driver_version;
+    unsigned int device_count;
+    struct device devices[FAKE_MAX_DEVICES];
+};
+
+/* Parses the file; on error prints "fakenvml: FILE:LINE: message" to stderr and returns NULL. */
+struct scenario *scenario_load(const char *path);
+void scenario_free(struct scenario *scenario);
+
+const char *fn_name(enum fn fn);
+
+/* The value of a key at scenario time t (graphics_clock_mhz follows sm_clock_mhz while it is
+ * never set). */
+double device_value(const struct device *device, enum key key, double t);
+/* Integral of power_mw over [0, t] plus energy_mj: millijoules. */
+double device_energy_mj(const struct device *device, double t);
+/* Scenario seconds in [0, t] during which (reasons & mask) != 0. */
+double device_reason_seconds(const struct device *device, uint64_t mask, double t);
+/* The fault code in force for this call at t, or NVML_SUCCESS. */
+nvmlReturn_t device_fault(const struct device *device, enum fn fn, double t);
+nvmlReturn_t device_field_fault(const struct device *device, uint32_t field_id, double t);
+
+#endif
