@@ -5,7 +5,8 @@ means: NotSupported, NoPermission and FunctionNotFound (an older driver) make th
 for that device — never 0, never a sentinel — and FunctionNotFound is logged once per function;
 GpuIsLost marks the device unhealthy; anything else (a timeout, an unknown error) costs that field
 for that sample and is counted. Units are converted here and nowhere else (MHz -> hertz,
-mW -> watts, mJ -> joules, percent -> ratio, ns -> seconds, KB/s -> bytes/s). The exposition::
+mW -> watts, mJ -> joules, percent -> ratio, ns -> seconds, NVML's KB/s, which is KiB/s,
+-> bytes/s). The exposition::
 
     sustain_gpu_clock_hertz{clock="sm",device="0",uuid="GPU-7d3a..."} 1.41e+09
     sustain_gpu_power_watts{device="0",uuid="GPU-7d3a..."} 352.4
@@ -88,6 +89,22 @@ POLICIES: tuple[tuple[str, int, int], ...] = (
         pynvml.NVML_FI_DEV_PERF_POLICY_TOTAL_BASE_CLOCKS,
         pynvml.NVML_PERF_POLICY_TOTAL_BASE_CLOCKS,
     ),
+)
+
+ECC = (
+    ("corrected", pynvml.NVML_FI_DEV_ECC_SBE_AGG_TOTAL, pynvml.NVML_MEMORY_ERROR_TYPE_CORRECTED),
+    (
+        "uncorrected",
+        pynvml.NVML_FI_DEV_ECC_DBE_AGG_TOTAL,
+        pynvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED,
+    ),
+)
+
+# Read in one nvmlDeviceGetFieldValues call per device and poll.
+FIELD_IDS = (
+    pynvml.NVML_FI_DEV_MEMORY_TEMP,
+    *(field_id for _, field_id, _ in POLICIES),
+    *(field_id for _, field_id, _ in ECC),
 )
 
 CLOCKS = (
@@ -282,7 +299,9 @@ _FIELDS = (
     _counter(
         "gpu_ecc_errors",
         "",
-        "ECC errors over the GPU's life (aggregate). Source: nvmlDeviceGetTotalEccErrors.",
+        "ECC errors over the GPU's life (aggregate). Source: field values "
+        "NVML_FI_DEV_ECC_SBE_AGG_TOTAL and _DBE_AGG_TOTAL (nvmlDeviceGetTotalEccErrors on old "
+        "drivers).",
         "type",
     ),
     _gauge(
@@ -527,7 +546,7 @@ class _Poll:
 class _XidWatcher:
     """Waits on an NVML event set in its own thread, so the sampler never blocks on it."""
 
-    def __init__(self, library: NvmlLibrary, on_xid: Callable[[int | None, int, float], None]):
+    def __init__(self, library: NvmlLibrary, on_xid: Callable[[int | None, int], None]) -> None:
         self._library = library
         self._on_xid = on_xid
         self._stop = threading.Event()
@@ -572,7 +591,7 @@ class _XidWatcher:
                 self._stop.wait(1.0)
                 continue
             if data.eventType & pynvml.nvmlEventTypeXidCriticalError:
-                self._on_xid(_handle_key(data.device), int(data.eventData), time.time())
+                self._on_xid(_handle_key(data.device), int(data.eventData))
 
     def stop(self) -> None:
         self._stop.set()
@@ -589,7 +608,10 @@ class NvmlCollector:
 
     name = "nvml"
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float] = time.time) -> None:
+        """``clock`` gives sample timestamps and the time the reason counters integrate; tests
+        pass the fake driver's scaled clock so that hours of scenario run in minutes."""
+        self._clock = clock
         self._library = NvmlLibrary()
         self._devices: list[_Device] = []
         self._system: tuple[Reading, ...] = ()
@@ -658,7 +680,8 @@ class NvmlCollector:
         )
         return _Device(index=index, uuid=uuid, handle=handle, identity=identity, labels=labels)
 
-    def _record_xid(self, handle_key: int | None, xid: int, timestamp: float) -> None:
+    def _record_xid(self, handle_key: int | None, xid: int) -> None:
+        timestamp = self._clock()
         with self._lock:
             for device in self._devices:
                 if _handle_key(device.handle) == handle_key:
@@ -678,7 +701,7 @@ class NvmlCollector:
     def collect(self) -> Sequence[Sample]:
         if self._library.start():
             self._discover()
-        now = time.time()
+        now = self._clock()
         samples = [Sample(self.name, "system", now, self._system)]
         for device in self._devices:
             samples.append(self._poll_device(device, now))
@@ -694,8 +717,7 @@ class NvmlCollector:
     def _poll_device(self, device: _Device, now: float) -> Sample:
         events: list[Event] = []
         if not device.healthy:
-            if now < device.retry_at or not self._reacquire(device):
-                device.retry_at = max(device.retry_at, now + RETRY_SECONDS)
+            if now < device.retry_at or not self._reacquire(device, now):
                 return Sample(
                     self.name, device.uuid, now, (Reading("gpu_healthy", 0.0, device.labels),)
                 )
@@ -738,11 +760,13 @@ class NvmlCollector:
             self.name, device.uuid, now, tuple(poll.readings), tuple(poll.errors), tuple(events)
         )
 
-    def _reacquire(self, device: _Device) -> bool:
+    def _reacquire(self, device: _Device, now: float) -> bool:
+        """Look for a lost GPU by its UUID (its index may change when it comes back)."""
         try:
             handle = self._library.call(pynvml.nvmlDeviceGetHandleByUUID, device.uuid)
             self._library.call(pynvml.nvmlDeviceGetUUID, handle)
         except (Absent, CallFailed, DeviceLost):
+            device.retry_at = now + RETRY_SECONDS
             return False
         with self._lock:
             device.handle = handle
@@ -768,7 +792,8 @@ class NvmlCollector:
         poll.add("gpu_power_limit_watts", None if limit is None else limit / 1000)
         energy = poll.get(pynvml.nvmlDeviceGetTotalEnergyConsumption)
         poll.add("gpu_energy_joules_total", None if energy is None else energy / 1000)
-        self._read_temperatures(poll)
+        fields = self._read_fields(poll)
+        self._read_temperatures(poll, fields)
         rates = poll.get(pynvml.nvmlDeviceGetUtilizationRates)
         if rates is not None:
             poll.add("gpu_utilization_ratio", rates.gpu / 100)
@@ -783,8 +808,8 @@ class NvmlCollector:
         poll.add("gpu_fan_speed_ratio", None if fan is None else fan / 100)
         poll.add("gpu_performance_state", poll.get(pynvml.nvmlDeviceGetPerformanceState))
         self._read_reasons(poll, now)
-        self._read_violations(poll)
-        self._read_memory_errors(poll)
+        self._read_violations(poll, fields)
+        self._read_memory_errors(poll, fields)
         self._read_gpm(poll)
         processes = poll.get(pynvml.nvmlDeviceGetComputeRunningProcesses_v3)
         if processes is not None:
@@ -799,15 +824,18 @@ class NvmlCollector:
                     ("xid", str(xid)),
                 )
 
-    def _read_temperatures(self, poll: _Poll) -> None:
+    def _read_temperatures(self, poll: _Poll, fields: dict[int, float | None] | None) -> None:
         gpu = poll.first(
             (pynvml.nvmlDeviceGetTemperatureV, (pynvml.NVML_TEMPERATURE_GPU,)),
             (pynvml.nvmlDeviceGetTemperature, (pynvml.NVML_TEMPERATURE_GPU,)),
         )
         poll.add("gpu_temperature_celsius", gpu, ("sensor", "gpu"))
-        values = poll.get(pynvml.nvmlDeviceGetFieldValues, [pynvml.NVML_FI_DEV_MEMORY_TEMP])
-        if values is not None:
-            poll.add("gpu_temperature_celsius", _field_number(values[0]), ("sensor", "memory"))
+        if fields is not None:
+            poll.add(
+                "gpu_temperature_celsius",
+                fields[pynvml.NVML_FI_DEV_MEMORY_TEMP],
+                ("sensor", "memory"),
+            )
         for name, threshold in (
             ("slowdown", pynvml.NVML_TEMPERATURE_THRESHOLD_SLOWDOWN),
             ("shutdown", pynvml.NVML_TEMPERATURE_THRESHOLD_SHUTDOWN),
@@ -832,7 +860,7 @@ class NvmlCollector:
             kilobytes = poll.get(pynvml.nvmlDeviceGetPcieThroughput, counter)
             poll.add(
                 "gpu_pcie_throughput_bytes_per_second",
-                None if kilobytes is None else kilobytes * 1000,
+                None if kilobytes is None else kilobytes * 1024,
                 ("direction", direction),
             )
 
@@ -862,23 +890,30 @@ class NvmlCollector:
                 ("reason", reason),
             )
 
-    def _read_violations(self, poll: _Poll) -> None:
+    def _read_fields(self, poll: _Poll) -> dict[int, float | None] | None:
+        """Every field value the collector uses, in one call (the current API for memory
+        temperature, violation counters and ECC totals). None where the driver lacks the call,
+        so that the callers use the deprecated calls instead."""
         try:
-            values = poll.library.call(
-                pynvml.nvmlDeviceGetFieldValues,
-                poll.device.handle,
-                [field_id for _, field_id, _ in POLICIES],
+            values = self._library.call(
+                pynvml.nvmlDeviceGetFieldValues, poll.device.handle, list(FIELD_IDS)
             )
         except FunctionMissing:
-            values = None
+            return None
         except Absent:
-            return
+            return dict.fromkeys(FIELD_IDS)
         except CallFailed as exc:
             poll.errors.append(exc.kind)
-            return
-        for position, (policy, _, old_policy) in enumerate(POLICIES):
-            if values is not None:
-                nanoseconds = _field_number(values[position])
+            return dict.fromkeys(FIELD_IDS)
+        return {
+            field_id: _field_number(value)
+            for field_id, value in zip(FIELD_IDS, values, strict=True)
+        }
+
+    def _read_violations(self, poll: _Poll, fields: dict[int, float | None] | None) -> None:
+        for policy, field_id, old_policy in POLICIES:
+            if fields is not None:
+                nanoseconds = fields[field_id]
             else:
                 status = poll.get(pynvml.nvmlDeviceGetViolationStatus, old_policy)
                 nanoseconds = None if status is None else status.violationTime
@@ -888,16 +923,15 @@ class NvmlCollector:
                 ("policy", policy),
             )
 
-    def _read_memory_errors(self, poll: _Poll) -> None:
-        for kind, error_type in (
-            ("corrected", pynvml.NVML_MEMORY_ERROR_TYPE_CORRECTED),
-            ("uncorrected", pynvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED),
-        ):
-            poll.add(
-                "gpu_ecc_errors_total",
-                poll.get(pynvml.nvmlDeviceGetTotalEccErrors, error_type, pynvml.NVML_AGGREGATE_ECC),
-                ("type", kind),
-            )
+    def _read_memory_errors(self, poll: _Poll, fields: dict[int, float | None] | None) -> None:
+        for kind, field_id, error_type in ECC:
+            if fields is not None:
+                count = fields[field_id]
+            else:
+                count = poll.get(
+                    pynvml.nvmlDeviceGetTotalEccErrors, error_type, pynvml.NVML_AGGREGATE_ECC
+                )
+            poll.add("gpu_ecc_errors_total", count, ("type", kind))
         rows = poll.get(pynvml.nvmlDeviceGetRemappedRows)
         if rows is not None:
             correctable, uncorrectable, pending, failed = rows

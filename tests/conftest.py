@@ -1,5 +1,8 @@
 """Fixtures shared by the test modules.
 
+GPUs come from the fake NVML driver (tests/fakenvml), loaded into the test process once under
+its SONAME so that pynvml's own dlopen of libnvidia-ml.so.1 finds it.
+
 The archive is tested against the real thing on both supported backends: a SQLite file and the
 PostgreSQL server that development and CI machines run at 127.0.0.1:5432 (trust authentication,
 user ``postgres``, maintenance database ``test``). A missing server fails the PostgreSQL tests
@@ -8,15 +11,27 @@ instead of skipping them, so that a green run always means both backends were ex
 
 from __future__ import annotations
 
+import ctypes
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from fakenvml.build import build
 from sqlalchemy import Engine, create_engine, text
 from sqlalchemy.exc import OperationalError
 
 from agent.archive.database import open_engine, upgrade
+from collectors.nvml import NvmlCollector
 
 POSTGRES_SERVER = "postgresql+psycopg://postgres@127.0.0.1:5432"
 POSTGRES_MAINTENANCE_URL = f"{POSTGRES_SERVER}/test"
@@ -67,3 +82,137 @@ def archive_engine(database_url: str) -> Iterator[Engine]:
         yield engine
     finally:
         engine.dispose()
+
+
+@dataclass
+class FakeGpus:
+    """One running scenario: its epoch and time scale, and the clock the collector must use."""
+
+    epoch: float
+    scale: float
+
+    def clock(self) -> float:
+        return self.epoch + (time.time() - self.epoch) * self.scale
+
+    def scenario_seconds(self, timestamp: float) -> float:
+        return timestamp - self.epoch
+
+    def sleep_until(self, scenario_seconds: float) -> None:
+        delay = (self.epoch + scenario_seconds / self.scale) - time.time()
+        if delay > 0:
+            time.sleep(delay)
+
+
+@pytest.fixture(scope="session")
+def fake_nvml(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The fake driver, built once and loaded into this process under its SONAME."""
+    path = build(tmp_path_factory.mktemp("fakenvml"))
+    ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL)
+    return path
+
+
+@pytest.fixture
+def scenario(
+    fake_nvml: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[Callable[[str, float], tuple[FakeGpus, NvmlCollector]]]:
+    """Start a scenario (text, time scale) and a collector on it; the collector is closed after
+    the test, so that the next test's NVML init reads its own scenario."""
+    collectors: list[NvmlCollector] = []
+
+    def start(text: str, scale: float = 1.0) -> tuple[FakeGpus, NvmlCollector]:
+        path = tmp_path / "scenario.scn"
+        path.write_text(text)
+        fake = FakeGpus(epoch=time.time(), scale=scale)
+        monkeypatch.setenv("FAKENVML_SCENARIO", str(path))
+        monkeypatch.setenv("FAKENVML_EPOCH", repr(fake.epoch))
+        monkeypatch.setenv("FAKENVML_TIME_SCALE", repr(scale))
+        collector = NvmlCollector(clock=fake.clock)
+        collectors.append(collector)
+        return fake, collector
+
+    yield start
+    for collector in collectors:
+        collector.close()
+
+
+# A `sustain run` process as an operator starts it, for the end-to-end tests.
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def fetch(url: str, timeout: float = 5.0) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as response:
+            return int(response.status), response.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+
+
+@dataclass
+class Running:
+    """A running agent: its process, exporter port and data directory."""
+
+    process: subprocess.Popen[str]
+    port: int
+    data_dir: Path
+
+    @property
+    def base(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def wait_for(self, needle: str, timeout: float = 15.0) -> str:
+        """Wait until /metrics contains ``needle``; returns the exposition."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                _, err = self.process.communicate()
+                pytest.fail(f"agent exited {self.process.returncode}: {err}")
+            try:
+                status, body = fetch(self.base + "/metrics", timeout=2)
+            except OSError:
+                time.sleep(0.2)
+                continue
+            if status == 200 and needle in body:
+                return body
+            time.sleep(0.2)
+        pytest.fail(f"agent did not serve {needle!r} within {timeout} s")
+
+    def wait_ready(self) -> str:
+        """Host metrics within 15 s of start (utilization needs two polls)."""
+        return self.wait_for("sustain_cpu_utilization_ratio ")
+
+    def terminate(self, signum: int = signal.SIGTERM) -> tuple[int, float, str]:
+        started = time.monotonic()
+        self.process.send_signal(signum)
+        _, err = self.process.communicate(timeout=10)
+        return self.process.returncode, time.monotonic() - started, err
+
+
+def start_agent(tmp_path: Path, *args: str, env: dict[str, str] | None = None) -> Running:
+    """`sustain run` on a free port with its data in ``tmp_path``; the environment is this
+    process's without SUSTAIN_* and FAKENVML_* variables, plus ``env``."""
+    port = free_port()
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith(("SUSTAIN_", "FAKENVML_"))}
+    full_env.update(env or {})
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "agent",
+            "run",
+            "--listen",
+            f"127.0.0.1:{port}",
+            "--data-dir",
+            str(tmp_path),
+            *args,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=full_env,
+    )
+    return Running(process, port, tmp_path)

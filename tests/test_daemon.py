@@ -11,92 +11,14 @@ import sqlite3
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from conftest import Running, fetch, free_port, start_agent
 from prometheus_client.parser import text_string_to_metric_families
 
 FIXTURES = Path(__file__).parent / "fixtures" / "host"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def fetch(url: str, timeout: float = 5.0) -> tuple[int, str]:
-    try:
-        with urllib.request.urlopen(url, timeout=timeout) as response:
-            return int(response.status), response.read().decode()
-    except urllib.error.HTTPError as exc:
-        return exc.code, exc.read().decode()
-
-
-@dataclass
-class Running:
-    process: subprocess.Popen[str]
-    port: int
-    data_dir: Path
-
-    @property
-    def base(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def wait_for(self, needle: str, timeout: float = 15.0) -> str:
-        """Wait until /metrics contains ``needle``; returns the exposition."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                _, err = self.process.communicate()
-                pytest.fail(f"agent exited {self.process.returncode}: {err}")
-            try:
-                status, body = fetch(self.base + "/metrics", timeout=2)
-            except OSError:
-                time.sleep(0.2)
-                continue
-            if status == 200 and needle in body:
-                return body
-            time.sleep(0.2)
-        pytest.fail(f"agent did not serve {needle!r} within {timeout} s")
-
-    def wait_ready(self) -> str:
-        """Host metrics within 15 s of start (utilization needs two polls)."""
-        return self.wait_for("sustain_cpu_utilization_ratio ")
-
-    def terminate(self, signum: int = signal.SIGTERM) -> tuple[int, float, str]:
-        started = time.monotonic()
-        self.process.send_signal(signum)
-        _, err = self.process.communicate(timeout=10)
-        return self.process.returncode, time.monotonic() - started, err
-
-
-def start_agent(tmp_path: Path, *args: str, env: dict[str, str] | None = None) -> Running:
-    port = free_port()
-    full_env = {k: v for k, v in os.environ.items() if not k.startswith("SUSTAIN_")}
-    full_env.update(env or {})
-    process = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "agent",
-            "run",
-            "--listen",
-            f"127.0.0.1:{port}",
-            "--data-dir",
-            str(tmp_path),
-            *args,
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=full_env,
-    )
-    return Running(process, port, tmp_path)
 
 
 def run_to_exit(*args: str) -> subprocess.CompletedProcess[str]:

@@ -9,10 +9,11 @@ import shutil
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from conftest import FakeGpus
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.process_collector import ProcessCollector
@@ -27,9 +28,11 @@ from agent.rollup import RollupBuilder
 from agent.sampler import SamplerLoop
 from agent.server import ExporterApp, ExporterServer
 from collectors.host import HostCollector
+from collectors.nvml import NvmlCollector
 
 ROOT = Path(__file__).parent.parent
 FIXTURE = Path(__file__).parent / "fixtures" / "host"
+SCENARIOS = Path(__file__).parent / "fakenvml" / "scenarios"
 GOLDEN = Path(__file__).parent / "golden" / "host.prom"
 SELF_PREFIXES = (
     "sustain_collector_",
@@ -68,6 +71,7 @@ def host_tree(tmp_path: Path) -> Path:
 def exposition_parts(
     host_tree: Path, tmp_path: Path
 ) -> Iterator[tuple[CollectorRegistry, SamplerLoop, ArchiveJob]]:
+    """The host collector on the fixture tree, through the agent's sinks to a real archive."""
     collector = HostCollector(procfs=host_tree / "proc", sysfs=host_tree / "sys")
     store = TelemetryStore(64)
     builder = RollupBuilder({"host": dict(collector.fields)}, 10, started_at=0.0)
@@ -134,11 +138,23 @@ def catalogue() -> dict[str, tuple[str, tuple[str, ...]]]:
 
 def test_catalogue_and_exposition_agree(
     exposition_parts: tuple[CollectorRegistry, SamplerLoop, ArchiveJob],
+    scenario: Callable[[str, float], tuple[FakeGpus, NvmlCollector]],
 ) -> None:
+    """Host families from the fixture tree, GPU families from the fake driver's scenario that
+    sets every field, self-metrics from the agent: together every family there is."""
     registry, _, job = exposition_parts
     assert job.status().rows_written > 0
+    fake, gpus = scenario((SCENARIOS / "every_field.scn").read_text(), 1.0)
+    store = TelemetryStore(64)
+    gpu_loop = SamplerLoop(gpus, 1.0, sinks=(store.record,), stall_seconds=30)
+    gpu_loop.poll_once()
+    fake.sleep_until(0.6)  # GPM needs two polls; the XID at 0.2 s is in by then
+    gpu_loop.poll_once()
+    gpu_registry = CollectorRegistry(auto_describe=False)
+    gpu_registry.register(AgentMetrics(store, {"nvml": dict(gpus.fields)}, lambda: [], 15.0))
+    text = generate_latest(registry).decode() + generate_latest(gpu_registry).decode()
     exposed: dict[str, tuple[str, tuple[str, ...]]] = {}
-    for family in text_string_to_metric_families(generate_latest(registry).decode()):
+    for family in text_string_to_metric_families(text):
         name = family.name + ("_total" if family.type == "counter" else "")
         seen = {label for sample in family.samples for label in sample.labels}
         exposed[name] = (family.type, tuple(sorted(seen)))

@@ -75,18 +75,14 @@ def build(out_dir: Path, omit: Sequence[str] = ()) -> Path:
     if library.exists() and stamp.exists() and stamp.read_text() == digest:
         return library
     # Compile beside the target and rename, so that a concurrent reader never sees half a file.
-    fd, partial_name = tempfile.mkstemp(prefix=".libnvidia-ml.", dir=out_dir)
-    os.close(fd)
-    partial = Path(partial_name)
-    try:
+    with tempfile.TemporaryDirectory(prefix=".fakenvml-", dir=out_dir) as scratch:
+        partial = Path(scratch) / LIBRARY_NAME
         completed = subprocess.run(
             [*command, "-o", str(partial)], capture_output=True, text=True, check=False
         )
         if completed.returncode != 0:
             raise BuildError(f"{' '.join(command)} failed:\n{completed.stderr}")
         partial.replace(library)
-    finally:
-        partial.unlink(missing_ok=True)
     stamp.write_text(digest)
     return library
 

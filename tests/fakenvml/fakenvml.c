@@ -215,6 +215,14 @@ HELPER void fill_field(const struct call *call, nvmlFieldValue_t *field)
     case NVML_FI_DEV_CLOCKS_EVENT_REASON_HW_POWER_BRAKE_SLOWDOWN:
         field->value.ullVal = violation_ns(call, nvmlClocksEventReasonHwPowerBrakeSlowdown);
         return;
+    case NVML_FI_DEV_ECC_SBE_VOL_TOTAL:
+    case NVML_FI_DEV_ECC_SBE_AGG_TOTAL:
+        field->value.ullVal = value_u64(call, K_ECC_CORRECTED);
+        return;
+    case NVML_FI_DEV_ECC_DBE_VOL_TOTAL:
+    case NVML_FI_DEV_ECC_DBE_AGG_TOTAL:
+        field->value.ullVal = value_u64(call, K_ECC_UNCORRECTED);
+        return;
     case NVML_FI_DEV_MEMORY_TEMP:
         field->valueType = NVML_VALUE_TYPE_UNSIGNED_INT;
         field->value.uiVal = value_u32(call, K_MEM_TEMP_C);
