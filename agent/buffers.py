@@ -101,6 +101,20 @@ class TelemetryStore:
             buffer = self._buffers.get(key)
             return None if buffer is None else buffer.window(since)
 
+    def points(self, key: SeriesKey, since: float) -> list[tuple[float, float]]:
+        """The (timestamp, value) pairs of one series from ``since`` on, oldest first."""
+        with self._lock:
+            buffer = self._buffers.get(key)
+            if buffer is None:
+                return []
+            found = []
+            for timestamp, value in buffer.newest_first():
+                if timestamp < since:
+                    break
+                found.append((timestamp, value))
+        found.reverse()
+        return found
+
     @property
     def series_count(self) -> int:
         with self._lock:

@@ -7,13 +7,14 @@ line on standard error and exit code 2; tracebacks are for bugs only.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
+
+import tomli_w
 
 from agent import __version__, config
 
@@ -54,12 +55,13 @@ def _settings(args: argparse.Namespace) -> config.Settings:
     return config.load(args.config, overrides)
 
 
-def _toml_value(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, int | float):
-        return repr(value)
-    return json.dumps(str(value), ensure_ascii=False)
+def _without_none(value: Any) -> Any:
+    """TOML has no null: unset keys are left out of `config show`."""
+    if isinstance(value, dict):
+        return {k: _without_none(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_without_none(v) for v in value]
+    return value
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -91,15 +93,7 @@ def cmd_config_check(args: argparse.Namespace) -> int:
 
 
 def cmd_config_show(args: argparse.Namespace) -> int:
-    data = config.redacted(_settings(args))
-    blocks = []
-    for section, values in data.items():
-        lines = [f"[{section}]"]
-        lines += [
-            f"{key} = {_toml_value(value)}" for key, value in values.items() if value is not None
-        ]
-        blocks.append("\n".join(lines))
-    print("\n\n".join(blocks))
+    print(tomli_w.dumps(_without_none(config.redacted(_settings(args)))), end="")
     return EXIT_OK
 
 
@@ -140,6 +134,35 @@ def cmd_db_current(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_probe(args: argparse.Namespace) -> int:
+    from agent import probe_command
+
+    settings = _settings(args)
+    request = probe_command.Request(
+        workloads=args.workload or [],
+        precisions=args.precision or [],
+        optimizations=args.optimization or [],
+        duration=args.duration,
+        device=args.device,
+        size=args.size,
+        force=args.force,
+    )
+    try:
+        return probe_command.run_probes(settings, request, as_json=args.json)
+    except probe_command.ProbeUsageError as exc:
+        raise UsageError(str(exc)) from None
+
+
+def _positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not 0 < value <= 3600:
+        raise argparse.ArgumentTypeError(f"must be in (0, 3600] seconds: {text!r}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="sustain", description="Sustained-throughput agent for GPU and CPU nodes."
@@ -178,6 +201,22 @@ def build_parser() -> argparse.ArgumentParser:
     db_current = db_commands.add_parser("current", help="print the schema revision")
     _add_config_flags(db_current)
     db_current.set_defaults(handler=cmd_db_current)
+
+    probe = commands.add_parser(
+        "probe", help="run probes once now, with progress and a results table"
+    )
+    _add_config_flags(probe)
+    probe.add_argument("--workload", action="append", help="workload (repeatable; default: plan)")
+    probe.add_argument("--precision", action="append", help="precision (repeatable)")
+    probe.add_argument(
+        "--optimization", action="append", choices=["eager", "compiled"], help="(repeatable)"
+    )
+    probe.add_argument("--duration", type=_positive_seconds, help="seconds per probe")
+    probe.add_argument("--device", help="'cpu', a GPU index or UUID (default: every GPU, else cpu)")
+    probe.add_argument("--size", choices=["small", "default"], help="problem size")
+    probe.add_argument("--force", action="store_true", help="run even if the device is busy")
+    probe.add_argument("--json", action="store_true", help="machine-readable results")
+    probe.set_defaults(handler=cmd_probe)
     return parser
 
 

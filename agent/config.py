@@ -14,7 +14,14 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal, cast
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 from sqlalchemy.engine import URL, make_url
@@ -135,6 +142,105 @@ class NvmlSection(_Section):
     )
 
 
+OPTIMIZATIONS = ("eager", "compiled")
+
+
+class ProbePlanEntry(_Section):
+    """One line of the probe plan: a workload, the variants to run, and when."""
+
+    workload: str = Field(min_length=1, description="Workload name (`python -m workloads list`).")
+    precisions: list[str] = Field(
+        default_factory=lambda: ["fp32"], min_length=1, description="Precisions to run, in order."
+    )
+    optimizations: list[Literal["eager", "compiled"]] = Field(
+        default_factory=lambda: list[Literal["eager", "compiled"]](["eager"]),
+        min_length=1,
+        description="Optimization levels to run.",
+    )
+    duration_seconds: float = Field(default=20.0, gt=0, le=3600, description="Length of one run.")
+    interval_seconds: float | None = Field(
+        default=None, gt=0, description="Run every this many seconds (or give `cron`)."
+    )
+    cron: str | None = Field(default=None, description="Crontab expression (5 fields), UTC.")
+    jitter_seconds: float = Field(
+        default=300.0, ge=0, description="Random delay added to each start, spreading a fleet."
+    )
+
+    @field_validator("cron")
+    @classmethod
+    def _cron_parses(cls, value: str | None) -> str | None:
+        if value is not None:
+            from apscheduler.triggers.cron import CronTrigger  # noqa: PLC0415 - config check only
+
+            try:
+                CronTrigger.from_crontab(value, timezone="UTC")
+            except ValueError as exc:
+                raise ValueError(f"invalid crontab expression: {exc}") from None
+        return value
+
+    @model_validator(mode="after")
+    def _one_schedule(self) -> ProbePlanEntry:
+        if (self.interval_seconds is None) == (self.cron is None):
+            raise ValueError("give exactly one of interval_seconds and cron")
+        return self
+
+
+def _default_plan() -> list[ProbePlanEntry]:
+    return [
+        ProbePlanEntry(
+            workload="matmul",
+            precisions=["bf16", "fp32"],
+            duration_seconds=20,
+            interval_seconds=3600,
+        ),
+        ProbePlanEntry(
+            workload="membw", precisions=["fp32"], duration_seconds=15, interval_seconds=3600
+        ),
+    ]
+
+
+class ProbingSection(_Section):
+    enabled: bool = Field(default=True, description="Run the probe plan on a schedule.")
+    plan: list[ProbePlanEntry] = Field(
+        default_factory=_default_plan, description="What to probe and when ([[probing.plan]])."
+    )
+    duty_cycle: float = Field(
+        default=0.02,
+        gt=0,
+        le=1,
+        description="Most probe time per device over the last hour, as a share of wall time.",
+    )
+    initial_delay_seconds: float = Field(
+        default=120.0, ge=0, description="Wait this long after start-up before the first probe."
+    )
+    busy_gpu_utilization: float = Field(
+        default=0.05,
+        ge=0,
+        le=1,
+        description="Skip a GPU whose mean utilization over the last minute is above this.",
+    )
+    busy_cpu_utilization: float = Field(
+        default=0.5,
+        ge=0,
+        le=1,
+        description="Skip CPU probes while host CPU utilization over the last minute is higher.",
+    )
+    skip_foreign_processes: bool = Field(
+        default=True, description="Skip a GPU that runs compute processes other than the agent's."
+    )
+    startup_timeout_seconds: float = Field(
+        default=180.0,
+        gt=0,
+        description="Time a probe child may take beyond its duration (start-up, torch.compile).",
+    )
+    fast_interval_seconds: float = Field(
+        default=0.1, gt=0, le=10, description="Sampling interval while a probe runs."
+    )
+    python: str | None = Field(
+        default=None, description="Interpreter for probe children (default: the agent's own)."
+    )
+
+
 class ArchiveSection(_Section):
     database_url: str | None = Field(
         default=None,
@@ -200,6 +306,7 @@ class Settings(BaseSettings):
     sampler: SamplerSection = Field(default_factory=SamplerSection)
     host: HostSection = Field(default_factory=HostSection)
     nvml: NvmlSection = Field(default_factory=NvmlSection)
+    probing: ProbingSection = Field(default_factory=ProbingSection)
     archive: ArchiveSection = Field(default_factory=ArchiveSection)
 
     @property

@@ -21,11 +21,14 @@ from prometheus_client.process_collector import ProcessCollector
 
 from agent.archive.database import ArchiveError, current_revision, open_engine, upgrade
 from agent.archive.events import EventWriter
+from agent.archive.probe_runs import ProbeRunWriter
 from agent.archive.rollups import RollupWriter
 from agent.archiving import ArchiveJob
 from agent.buffers import TelemetryStore
 from agent.config import Settings, redact_url
 from agent.exposition import AgentMetrics
+from agent.probes import ProbeRunner
+from agent.probing import ProbeScheduler, TelemetryCapture
 from agent.rollup import RollupBuilder
 from agent.sampler import LoopStatus, SamplerLoop
 from agent.server import ExporterApp, ExporterServer, ListenError
@@ -42,12 +45,12 @@ class StartupError(Exception):
     """The agent cannot start; the message is one line for the operator."""
 
 
-def build_collectors(settings: Settings) -> list[Collector]:
+def build_collectors(settings: Settings, runner: ProbeRunner) -> list[Collector]:
     collectors: list[Collector] = []
     if settings.host.enabled:
         collectors.append(HostCollector(procfs=settings.host.procfs, sysfs=settings.host.sysfs))
     if settings.nvml.enabled:
-        collectors.append(NvmlCollector())
+        collectors.append(NvmlCollector(own_pids=runner.child_pids))
     return collectors
 
 
@@ -61,7 +64,11 @@ class Agent:
     ) -> None:
         self.settings = settings
         self._stop = stop or threading.Event()
-        self.collectors = build_collectors(settings)
+        self.runner = ProbeRunner(
+            python=settings.probing.python,
+            startup_timeout_seconds=settings.probing.startup_timeout_seconds,
+        )
+        self.collectors = build_collectors(settings, self.runner)
         catalogue: dict[str, dict[str, Field]] = {
             collector.name: dict(collector.fields) for collector in self.collectors
         }
@@ -77,8 +84,14 @@ class Agent:
                 after = current_revision(self._engine)
                 if after != before:
                     log.info("archive schema upgraded from %s to %s", before or "empty", after)
+            probe_writer = ProbeRunWriter(self._engine, settings.agent.node)
+            aborted = probe_writer.abort_unfinished()
         except ArchiveError as exc:
             raise StartupError(str(exc)) from None
+        if aborted:
+            log.warning(
+                "%d probe run(s) were interrupted by the last stop: recorded as aborted", aborted
+            )
         self.archive_job = ArchiveJob(
             self.rollups,
             RollupWriter(self._engine, settings.agent.node),
@@ -86,15 +99,30 @@ class Agent:
             settings.archive.retention_days,
         )
 
+        self.capture = TelemetryCapture()
         self.loops = [
             SamplerLoop(
                 collector,
                 settings.sampler.interval_seconds,
-                sinks=(self.store.record, self.rollups.add, self.archive_job.add_events),
+                sinks=(
+                    self.store.record,
+                    self.rollups.add,
+                    self.archive_job.add_events,
+                    self.capture.record,
+                ),
                 stall_seconds=settings.sampler.stall_seconds,
             )
             for collector in self.collectors
         ]
+        self.probes = ProbeScheduler(
+            settings.probing,
+            self.runner,
+            self.store,
+            self.capture,
+            self.loops,
+            settings.sampler.interval_seconds,
+            writer=probe_writer,
+        )
         registry = CollectorRegistry(auto_describe=False)
         registry.register(
             AgentMetrics(
@@ -103,6 +131,7 @@ class Agent:
                 self.loop_statuses,
                 settings.exporter.window_seconds,
                 archive=self.archive_job.status,
+                probes=self.probes.status,
             )
         )
         ProcessCollector(namespace="sustain", registry=registry)
@@ -130,6 +159,8 @@ class Agent:
             max_instances=1,
             coalesce=True,
         )
+        if settings.probing.enabled:
+            self.probes.schedule(self.scheduler)
         log.info(
             "sustain ready: node %s, collectors %s, archive %s, listening on %s:%d",
             settings.agent.node,
@@ -164,6 +195,7 @@ class Agent:
         for loop in self.loops:
             if not loop.join(max(0.0, deadline - time.monotonic())):
                 log.warning("sampler loop %s did not stop in time", loop.collector.name)
+        self.probes.stop()  # a running probe would hold up the scheduler's shutdown
         self.scheduler.shutdown(wait=True)
         self.archive_job.run()
         status = self.archive_job.status()

@@ -23,6 +23,7 @@ from prometheus_client.registry import Collector as PromCollector
 from agent import __version__
 from agent.archiving import ArchiveStatus
 from agent.buffers import TelemetryStore
+from agent.probing import ProbeStatus
 from agent.sampler import LoopStatus
 from collectors.base import Field, Reading
 
@@ -89,6 +90,44 @@ _LOOP_FAMILIES: tuple[
 )
 
 
+_PROBE_LABELS = ["workload", "precision", "optimization", "device", "uuid"]
+
+
+def _probe_families(status: ProbeStatus) -> Iterator[Metric]:
+    runs = CounterMetricFamily(
+        "sustain_probe_runs",
+        "Probe runs by outcome (ok, failed, timeout, unsupported, skipped, aborted).",
+        labels=[*_PROBE_LABELS, "outcome"],
+    )
+    for key, count in sorted(status.runs.items()):
+        runs.add_metric(list(key), count)
+    yield runs
+    last = GaugeMetricFamily(
+        "sustain_probe_last_run_timestamp_seconds",
+        "Unix time the last run of this probe ended (skipped runs excluded).",
+        labels=_PROBE_LABELS,
+    )
+    for probe, timestamp in sorted(status.last_run.items()):
+        last.add_metric(list(probe), timestamp)
+    yield last
+    running = GaugeMetricFamily(
+        "sustain_probe_running",
+        "1 while a probe runs on the device.",
+        labels=["device", "uuid"],
+    )
+    for device, active in sorted(status.running.items()):
+        running.add_metric(list(device), 1.0 if active else 0.0)
+    yield running
+    duty = GaugeMetricFamily(
+        "sustain_probe_duty_cycle_ratio",
+        "Share of the last hour the device spent running probes.",
+        labels=["device", "uuid"],
+    )
+    for device, share in sorted(status.duty_used.items()):
+        duty.add_metric(list(device), share)
+    yield duty
+
+
 def _label_values(field: Field, labels: tuple[tuple[str, str], ...]) -> list[str]:
     return [value for _, value in labels] if field.labels else []
 
@@ -102,13 +141,16 @@ class AgentMetrics(PromCollector):
         catalogue: Catalogue,
         loops: Callable[[], Sequence[LoopStatus]],
         window_seconds: float,
+        *,
         archive: Callable[[], ArchiveStatus] | None = None,
+        probes: Callable[[], ProbeStatus] | None = None,
     ) -> None:
         self._store = store
         self._catalogue = catalogue
         self._loops = loops
         self._window = window_seconds
         self._archive = archive
+        self._probes = probes
 
     def describe(self) -> list[Metric]:
         # An empty description keeps the registry from calling collect() at registration time.
@@ -117,6 +159,8 @@ class AgentMetrics(PromCollector):
     def collect(self) -> Iterator[Metric]:
         yield from self._telemetry()
         yield from self._self_metrics()
+        if self._probes is not None:
+            yield from _probe_families(self._probes())
 
     def _telemetry(self) -> Iterator[Metric]:
         since = time.time() - self._window

@@ -53,6 +53,7 @@ class SamplerLoop:
         self.stall_seconds = stall_seconds
         self._sinks = tuple(sinks)
         self._stop = threading.Event()
+        self._wake = threading.Event()
         self._thread = threading.Thread(
             target=self._run, name=f"sampler-{collector.name}", daemon=True
         )
@@ -73,6 +74,14 @@ class SamplerLoop:
 
     def request_stop(self) -> None:
         self._stop.set()
+        self._wake.set()
+
+    def set_interval(self, seconds: float) -> None:
+        """Poll every ``seconds`` from now on (a probe asks for ~10 Hz while it runs); the loop
+        wakes at once and starts a new grid."""
+        if seconds != self.interval_seconds:
+            self.interval_seconds = seconds
+            self._wake.set()
 
     def join(self, timeout: float) -> bool:
         """Wait up to ``timeout`` for the loop to end; False if a poll is still stuck."""
@@ -135,7 +144,9 @@ class SamplerLoop:
                 deadline += skipped * self.interval_seconds
                 with self._lock:
                     self._missed += skipped
-            self._stop.wait(deadline - now)
+            if self._wake.wait(deadline - now):
+                self._wake.clear()
+                deadline = time.monotonic()
 
     @property
     def stall_after(self) -> float:

@@ -121,6 +121,7 @@ GPM_METRICS = (
 
 # How often a lost device is looked for again, and NVML itself where it could not start.
 RETRY_SECONDS = 5.0
+FULL_READ_SECONDS = 0.5
 INIT_RETRY_SECONDS = 60.0
 XID_WAIT_MS = 500
 
@@ -503,6 +504,8 @@ class _Device:
     reason_seconds: dict[str, float] = field(default_factory=dict)
     gpm_sample: Any = None
     gpm_supported: bool | None = None
+    last_full: float | None = None
+    slow_readings: tuple[Reading, ...] = ()
     xid_counts: Counter[int] = field(default_factory=Counter)
     xid_last_seen: dict[int, float] = field(default_factory=dict)
 
@@ -608,10 +611,16 @@ class NvmlCollector:
 
     name = "nvml"
 
-    def __init__(self, clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self,
+        clock: Callable[[], float] = time.time,
+        own_pids: Callable[[], set[int]] = set,
+    ) -> None:
         """``clock`` gives sample timestamps and the time the reason counters integrate; tests
-        pass the fake driver's scaled clock so that hours of scenario run in minutes."""
+        pass the fake driver's scaled clock so that hours of scenario run in minutes.
+        ``own_pids`` are the agent's probe children: not foreign work on a GPU."""
         self._clock = clock
+        self._own_pids = own_pids
         self._library = NvmlLibrary()
         self._devices: list[_Device] = []
         self._system: tuple[Reading, ...] = ()
@@ -735,6 +744,8 @@ class NvmlCollector:
         except DeviceLost as exc:
             device.healthy = False
             device.retry_at = now + RETRY_SECONDS
+            device.last_full = None
+            device.slow_readings = ()
             device.last_poll = None
             device.last_reasons = None
             device.gpm_sample = None
@@ -774,30 +785,57 @@ class NvmlCollector:
         return True
 
     def _read(self, poll: _Poll, now: float) -> None:
+        """The fast fields (clocks, power, energy, temperatures, utilization, reasons, the field
+        values) on every poll; the slow ones (identity, limits, memory, PCIe, fan, P-state, row
+        remapping, GPM, processes) at most every FULL_READ_SECONDS, their last values repeated
+        in between, so that sampling at 10 Hz during a probe costs a third of the calls."""
         device = poll.device
-        poll.add("gpu_info", 1.0, *device.identity[2:])
-        poll.add("gpu_healthy", 1.0)
+        fields = self._read_fields(poll)
         for clock, kind in CLOCKS:
             current = poll.get(pynvml.nvmlDeviceGetClockInfo, kind)
             poll.add(
                 "gpu_clock_hertz", None if current is None else current * 1e6, ("clock", clock)
             )
-            maximum = poll.get(pynvml.nvmlDeviceGetMaxClockInfo, kind)
-            poll.add(
-                "gpu_clock_max_hertz", None if maximum is None else maximum * 1e6, ("clock", clock)
-            )
         power = poll.get(pynvml.nvmlDeviceGetPowerUsage)
         poll.add("gpu_power_watts", None if power is None else power / 1000)
-        limit = poll.get(pynvml.nvmlDeviceGetEnforcedPowerLimit)
-        poll.add("gpu_power_limit_watts", None if limit is None else limit / 1000)
         energy = poll.get(pynvml.nvmlDeviceGetTotalEnergyConsumption)
         poll.add("gpu_energy_joules_total", None if energy is None else energy / 1000)
-        fields = self._read_fields(poll)
         self._read_temperatures(poll, fields)
         rates = poll.get(pynvml.nvmlDeviceGetUtilizationRates)
         if rates is not None:
             poll.add("gpu_utilization_ratio", rates.gpu / 100)
             poll.add("gpu_memory_utilization_ratio", rates.memory / 100)
+        self._read_reasons(poll, now)
+        self._read_violations(poll, fields)
+        self._read_memory_errors(poll, fields)
+        if device.last_full is not None and now - device.last_full < FULL_READ_SECONDS:
+            poll.readings.extend(device.slow_readings)
+            return
+        first_slow = len(poll.readings)
+        self._read_slow(poll)
+        device.slow_readings = tuple(poll.readings[first_slow:])
+        device.last_full = now
+
+    def _read_slow(self, poll: _Poll) -> None:
+        device = poll.device
+        poll.add("gpu_info", 1.0, *device.identity[2:])
+        poll.add("gpu_healthy", 1.0)
+        for clock, kind in CLOCKS:
+            maximum = poll.get(pynvml.nvmlDeviceGetMaxClockInfo, kind)
+            poll.add(
+                "gpu_clock_max_hertz", None if maximum is None else maximum * 1e6, ("clock", clock)
+            )
+        limit = poll.get(pynvml.nvmlDeviceGetEnforcedPowerLimit)
+        poll.add("gpu_power_limit_watts", None if limit is None else limit / 1000)
+        for name, threshold in (
+            ("slowdown", pynvml.NVML_TEMPERATURE_THRESHOLD_SLOWDOWN),
+            ("shutdown", pynvml.NVML_TEMPERATURE_THRESHOLD_SHUTDOWN),
+        ):
+            poll.add(
+                "gpu_temperature_threshold_celsius",
+                poll.get(pynvml.nvmlDeviceGetTemperatureThreshold, threshold),
+                ("threshold", name),
+            )
         memory = poll.get(pynvml.nvmlDeviceGetMemoryInfo, pynvml.nvmlMemory_v2)
         if memory is not None:
             poll.add("gpu_memory_total_bytes", memory.total)
@@ -807,14 +845,12 @@ class NvmlCollector:
         fan = poll.get(pynvml.nvmlDeviceGetFanSpeed)
         poll.add("gpu_fan_speed_ratio", None if fan is None else fan / 100)
         poll.add("gpu_performance_state", poll.get(pynvml.nvmlDeviceGetPerformanceState))
-        self._read_reasons(poll, now)
-        self._read_violations(poll, fields)
-        self._read_memory_errors(poll, fields)
+        self._read_remapped_rows(poll)
         self._read_gpm(poll)
         processes = poll.get(pynvml.nvmlDeviceGetComputeRunningProcesses_v3)
         if processes is not None:
-            own = os.getpid()
-            poll.add("gpu_foreign_compute_processes", sum(1 for p in processes if p.pid != own))
+            own = {os.getpid(), *self._own_pids()}
+            poll.add("gpu_foreign_compute_processes", sum(1 for p in processes if p.pid not in own))
         with self._lock:
             for xid, count in sorted(device.xid_counts.items()):
                 poll.add("gpu_xid_errors_total", count, ("xid", str(xid)))
@@ -835,15 +871,6 @@ class NvmlCollector:
                 "gpu_temperature_celsius",
                 fields[pynvml.NVML_FI_DEV_MEMORY_TEMP],
                 ("sensor", "memory"),
-            )
-        for name, threshold in (
-            ("slowdown", pynvml.NVML_TEMPERATURE_THRESHOLD_SLOWDOWN),
-            ("shutdown", pynvml.NVML_TEMPERATURE_THRESHOLD_SHUTDOWN),
-        ):
-            poll.add(
-                "gpu_temperature_threshold_celsius",
-                poll.get(pynvml.nvmlDeviceGetTemperatureThreshold, threshold),
-                ("threshold", name),
             )
 
     def _read_pcie(self, poll: _Poll) -> None:
@@ -932,6 +959,8 @@ class NvmlCollector:
                     pynvml.nvmlDeviceGetTotalEccErrors, error_type, pynvml.NVML_AGGREGATE_ECC
                 )
             poll.add("gpu_ecc_errors_total", count, ("type", kind))
+
+    def _read_remapped_rows(self, poll: _Poll) -> None:
         rows = poll.get(pynvml.nvmlDeviceGetRemappedRows)
         if rows is not None:
             correctable, uncorrectable, pending, failed = rows

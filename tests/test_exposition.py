@@ -23,7 +23,10 @@ from agent.archive.events import EventWriter
 from agent.archive.rollups import RollupWriter
 from agent.archiving import ArchiveJob
 from agent.buffers import TelemetryStore
+from agent.config import ProbingSection
 from agent.exposition import AgentMetrics
+from agent.probes import ProbeRunner
+from agent.probing import ProbeScheduler, TelemetryCapture
 from agent.rollup import RollupBuilder
 from agent.sampler import SamplerLoop
 from agent.server import ExporterApp, ExporterServer
@@ -41,6 +44,7 @@ SELF_PREFIXES = (
     "sustain_process_",
     "sustain_events_",
     "sustain_archive_",
+    "sustain_probe_",
     "sustain_build_info",
 )
 
@@ -90,6 +94,9 @@ def exposition_parts(
     )
     job.run(now=time.time() + 20)  # close the period the two polls fell in
     registry = CollectorRegistry(auto_describe=False)
+    probes = ProbeScheduler(
+        ProbingSection(), ProbeRunner(), store, TelemetryCapture(), (loop,), 1.0
+    )
     registry.register(
         AgentMetrics(
             store,
@@ -97,6 +104,7 @@ def exposition_parts(
             lambda: [loop.status()],
             15.0,
             archive=job.status,
+            probes=probes.status,
         )
     )
     ProcessCollector(namespace="sustain", registry=registry)

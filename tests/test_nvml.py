@@ -74,7 +74,8 @@ def test_every_field_in_base_units_with_the_scenario_values(
     gpu = by_device(samples)[UUID0]
     t = fake.scenario_seconds(gpu.timestamp)
 
-    assert dict(gpu.readings[0].labels) == {
+    (info,) = [r for r in gpu.readings if r.field == "gpu_info"]
+    assert dict(info.labels) == {
         "device": "0",
         "uuid": UUID0,
         "name": "NVIDIA H100 80GB HBM3",

@@ -129,3 +129,55 @@ class EventRecord(Base):
     message: Mapped[str] = mapped_column(Text)
     attributes: Mapped[str] = mapped_column(Text)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime(), server_default=func.now())
+
+
+class ProbeRunRecord(Base):
+    """One probe run: written as ``running`` when it starts and completed when it ends, so a run
+    interrupted by the agent's death is found at the next start and marked ``aborted``."""
+
+    __tablename__ = "probe_runs"
+    __table_args__ = (
+        UniqueConstraint("run_id", name="run_id"),
+        CheckConstraint(
+            "outcome IN ('running', 'ok', 'failed', 'timeout', 'unsupported', 'skipped', "
+            "'aborted')",
+            name="outcome",
+        ),
+        Index(None, "node", "device", "workload", "started_at"),
+    )
+
+    id: Mapped[int] = mapped_column(
+        BigInteger().with_variant(Integer, "sqlite"), primary_key=True, autoincrement=True
+    )
+    run_id: Mapped[str] = mapped_column(String(32))
+    node: Mapped[str] = mapped_column(String(255))
+    device: Mapped[str] = mapped_column(String(128))
+    device_label: Mapped[str] = mapped_column(String(64))
+    workload: Mapped[str] = mapped_column(String(64))
+    precision: Mapped[str] = mapped_column(String(16))
+    optimization: Mapped[str] = mapped_column(String(16))
+    outcome: Mapped[str] = mapped_column(String(16))
+    reason: Mapped[str] = mapped_column(Text)
+    started_at: Mapped[datetime] = mapped_column(UTCDateTime())
+    ended_at: Mapped[datetime | None] = mapped_column(UTCDateTime())
+    duration_seconds: Mapped[float] = mapped_column(Float)
+    iterations: Mapped[int] = mapped_column(Integer)
+    throughput: Mapped[float | None] = mapped_column(Float)
+    unit: Mapped[str | None] = mapped_column(String(32))
+    exit_code: Mapped[int | None] = mapped_column(Integer)
+    manifest: Mapped[str | None] = mapped_column(Text)
+    result: Mapped[str | None] = mapped_column(Text)
+    stderr_tail: Mapped[str] = mapped_column(Text)
+
+
+class ProbeSeriesRecord(Base):
+    """The raw iterations of one run (JSON), kept for audit and re-analysis."""
+
+    __tablename__ = "probe_series"
+    __table_args__ = (UniqueConstraint("run_id", name="run_id"),)
+
+    id: Mapped[int] = mapped_column(
+        BigInteger().with_variant(Integer, "sqlite"), primary_key=True, autoincrement=True
+    )
+    run_id: Mapped[str] = mapped_column(String(32))
+    iterations: Mapped[str] = mapped_column(Text)

@@ -1,0 +1,338 @@
+"""The probe runner and the probe scheduler: outcomes of children that crash, raise, hang or
+print junk; production-first skipping; the duty cycle; records in a real archive; abort on
+restart. Children here are real processes; the scripts stand in for workloads that misbehave."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+from conftest import FakeGpus
+from sqlalchemy import Engine, text
+
+from agent.archive.database import open_engine, upgrade
+from agent.archive.probe_runs import ProbeRunWriter
+from agent.buffers import TelemetryStore
+from agent.config import ProbingSection
+from agent.probes import CPU, ProbeRun, ProbeRunner, ProbeSpec, child_environment
+from agent.probing import ProbeScheduler, TelemetryCapture, gpu_devices
+from agent.sampler import SamplerLoop
+from collectors.base import Reading, Sample
+from collectors.host import HostCollector
+from collectors.nvml import NvmlCollector
+
+SPEC = ProbeSpec("matmul", "fp32", "eager", 0.5, CPU)
+
+MANIFEST = json.dumps({"event": "manifest", "workload": "matmul", "unit": "FLOP/s"})
+
+
+def child(body: str) -> list[str]:
+    """A child that prints the manifest and two iterations, then runs ``body``."""
+    code = textwrap.dedent(
+        f"""
+        import json, os, sys, time
+        print({MANIFEST!r}, flush=True)
+        now = time.time()
+        for i in range(2):
+            print(json.dumps({{"event": "iteration", "index": i, "start": now + i,
+                              "end": now + i + 0.5, "work": 1e9}}), flush=True)
+        """
+    )
+    return [sys.executable, "-c", code + textwrap.dedent(body)]
+
+
+OK = 'print(json.dumps({"event": "result", "iterations": 2, "throughput": 2e9}), flush=True)\n'
+
+
+@pytest.fixture
+def archive(tmp_path: Path) -> Iterator[Engine]:
+    engine = open_engine(f"sqlite:///{tmp_path}/archive.db")
+    upgrade(engine)
+    yield engine
+    engine.dispose()
+
+
+def make_scheduler(
+    engine: Engine | None = None,
+    store: TelemetryStore | None = None,
+    loops: tuple[SamplerLoop, ...] = (),
+    runner: ProbeRunner | None = None,
+    **settings: object,
+) -> ProbeScheduler:
+    return ProbeScheduler(
+        ProbingSection.model_validate(settings),
+        runner or ProbeRunner(startup_timeout_seconds=2.0),
+        store or TelemetryStore(64),
+        TelemetryCapture(),
+        loops,
+        1.0,
+        writer=None if engine is None else ProbeRunWriter(engine, "node-a"),
+    )
+
+
+def archived(engine: Engine) -> list[tuple[str, str, int]]:
+    with engine.connect() as connection:
+        rows = connection.execute(
+            text("SELECT outcome, reason, iterations FROM probe_runs ORDER BY started_at, id")
+        ).all()
+    return [(row[0], row[1], row[2]) for row in rows]
+
+
+def test_ok_run_keeps_manifest_iterations_and_result() -> None:
+    run = ProbeRunner().run(SPEC, command=child(OK))
+    assert (run.outcome, run.reason, run.exit_code) == ("ok", "", 0)
+    assert run.manifest is not None
+    assert run.manifest["workload"] == "matmul"
+    assert [i.index for i in run.iterations] == [0, 1]
+    assert run.throughput == 2e9
+
+
+@pytest.mark.parametrize(
+    ("body", "outcome", "reason"),
+    [
+        ("os.abort()\n", "failed", "killed by SIGABRT"),
+        ("raise RuntimeError('matmul exploded')\n", "failed", "exit code 1: RuntimeError: matmul"),
+        ("sys.exit(0)\n", "failed", "exited without a result line"),
+        (
+            'print(json.dumps({"event": "unsupported", "reason": "fp8 needs cc >= 8.9"}))\n',
+            "unsupported",
+            "fp8 needs cc >= 8.9",
+        ),
+    ],
+)
+def test_child_failures_are_recorded_with_their_reason(
+    body: str, outcome: str, reason: str
+) -> None:
+    run = ProbeRunner().run(SPEC, command=child(body))
+    assert run.outcome == outcome
+    assert run.reason.startswith(reason), run.reason
+    assert len(run.iterations) == 2  # what the child did before it died is kept
+
+
+def test_a_hanging_child_and_its_children_are_killed_at_the_timeout(tmp_path: Path) -> None:
+    pid_file = tmp_path / "grandchild.pid"
+    body = f"""
+    import subprocess
+    grandchild = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    open({str(pid_file)!r}, "w").write(str(grandchild.pid))
+    time.sleep(600)
+    """
+    runner = ProbeRunner(startup_timeout_seconds=1.5)
+    started = time.monotonic()
+    run = runner.run(SPEC, command=child(body))
+    elapsed = time.monotonic() - started
+    assert run.outcome == "timeout"
+    assert "process group killed after 2 iterations" in run.reason
+    assert elapsed < 0.5 + 1.5 + 2 * 2.0 + 1  # duration + startup allowance + kill grace
+    grandchild = int(pid_file.read_text())
+    time.sleep(0.2)
+    assert not alive(grandchild)
+
+
+def alive(pid: int) -> bool:
+    """Running, as opposed to gone or a zombie waiting for an init that may not reap it."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return False
+    return "\nState:\tZ" not in status
+
+
+def test_junk_on_stdout_is_counted_not_trusted() -> None:
+    body = (
+        'print("not json"); print("[1, 2]"); '
+        'print(json.dumps({"event": "iteration", "index": 9, "start": 1, "end": 0, "work": 1}))\n'
+        'print(json.dumps({"event": "iteration", "index": 9, "start": 0, "end": 1, "work": -5}))\n'
+        'print(json.dumps({"event": "iteration", "index": 9, "start": "NaN", "end": 1, '
+        '"work": 1}))\n' + OK
+    )
+    run = ProbeRunner().run(SPEC, command=child(body))
+    assert run.outcome == "ok"
+    assert run.protocol_errors == 5
+    assert len(run.iterations) == 2
+
+
+def test_child_environment_is_minimal() -> None:
+    base = {
+        "PATH": "/usr/bin",
+        "HOME": "/root",
+        "SUSTAIN_ARCHIVE__DATABASE_URL": "postgresql://u:secret@db/x",
+        "AWS_SECRET_ACCESS_KEY": "x",
+        "CUDA_CACHE_PATH": "/tmp/cuda",
+        "NCCL_DEBUG": "INFO",
+    }
+    env = child_environment(CPU, base)
+    assert env == {
+        "PATH": "/usr/bin",
+        "HOME": "/root",
+        "CUDA_CACHE_PATH": "/tmp/cuda",
+        "NCCL_DEBUG": "INFO",
+        "PYTHONUNBUFFERED": "1",
+        "CUDA_VISIBLE_DEVICES": "",
+    }
+
+
+def test_agent_keeps_going_after_crash_raise_and_hang(archive: Engine) -> None:
+    """Acceptance 2: each bad child is recorded; the next probe runs and succeeds."""
+    scheduler = make_scheduler(archive, duty_cycle=1.0, startup_timeout_seconds=1.0)
+    scheduler.runner.startup_timeout_seconds = 1.0
+    bodies = ["os.abort()\n", "raise ValueError('bad')\n", "time.sleep(600)\n", OK]
+    outcomes = [scheduler.run_one(SPEC, command=child(body)).outcome for body in bodies]
+    assert outcomes == ["failed", "failed", "timeout", "ok"]
+    rows = archived(archive)
+    assert [row[0] for row in rows] == outcomes
+    assert all(row[2] == 2 for row in rows)
+    status = scheduler.status()
+    assert status.runs[("matmul", "fp32", "eager", "cpu", "", "failed")] == 2
+
+
+def test_duty_cycle_skips_and_says_why(archive: Engine) -> None:
+    # A budget of 1.5 s an hour: one 1 s probe fits, a second does not.
+    scheduler = make_scheduler(archive, duty_cycle=1.5 / 3600)
+    spec = ProbeSpec("matmul", "fp32", "eager", 1.0, CPU)
+    first = scheduler.run_one(spec, command=child("time.sleep(1.0)\n" + OK))
+    assert first.outcome == "ok"
+    second = scheduler.run_one(spec, command=child(OK))
+    assert second.outcome == "skipped"
+    assert second.reason.startswith("duty cycle: 1 s of 2 s used on cpu in the last hour")
+    assert [row[0] for row in archived(archive)] == ["ok", "skipped"]
+    assert scheduler.run_one(spec, force=True, command=child(OK)).outcome == "ok"
+    assert scheduler.status().duty_used[("cpu", "")] > 1.0 / 3600
+
+
+def test_busy_cpu_is_skipped_but_own_probe_load_is_not_counted() -> None:
+    store = TelemetryStore(256)
+    scheduler = make_scheduler(store=store, busy_cpu_utilization=0.5, duty_cycle=1.0)
+    own = scheduler.run_one(SPEC, command=child("time.sleep(0.5)\n" + OK))
+    assert own.outcome == "ok"
+    steps = 20
+    for step in range(steps + 1):  # 90% CPU, but all of it while our own probe ran
+        timestamp = own.started_at + (own.ended_at - own.started_at) * step / steps
+        store.record(Sample("host", "host", timestamp, (Reading("cpu_utilization_ratio", 0.9),)))
+    assert scheduler.skip_reason(SPEC) is None
+    now = time.time()
+    for second in range(5):  # then production load after it
+        store.record(
+            Sample("host", "host", now + second + 2, (Reading("cpu_utilization_ratio", 0.8),))
+        )
+    reason = scheduler.skip_reason(SPEC)
+    assert reason is not None
+    assert reason.startswith("CPU busy: mean utilization 80%")
+
+
+FOREIGN = """
+set driver_version 550.54.15
+device 0 uuid GPU-00000000-0000-0000-0000-00000000000a
+device 1 uuid GPU-00000000-0000-0000-0000-00000000000b
+at 0 0 gpu_util_pct 0
+at 0 1 gpu_util_pct 0
+process 0 4242 1073741824 - -
+"""
+
+
+def test_foreign_process_on_a_fake_gpu_skips_probes_there_only(
+    scenario: Callable[[str, float], tuple[FakeGpus, NvmlCollector]], archive: Engine
+) -> None:
+    """Acceptance 3."""
+    _, collector = scenario(FOREIGN, 1.0)
+    store = TelemetryStore(64)
+    for sample in collector.collect():
+        store.record(sample)
+    scheduler = make_scheduler(archive, store=store)
+    gpus = scheduler.devices()
+    assert [(d.label, d.key) for d in gpus] == [
+        ("0", "GPU-00000000-0000-0000-0000-00000000000a"),
+        ("1", "GPU-00000000-0000-0000-0000-00000000000b"),
+    ]
+    runs = [
+        scheduler.run_one(ProbeSpec("matmul", "bf16", "eager", 0.5, gpu), command=child(OK))
+        for gpu in gpus
+    ]
+    assert [run.outcome for run in runs] == ["skipped", "ok"]
+    assert runs[0].reason == "1 foreign compute process(es) on GPU 0"
+    assert archived(archive)[0] == ("skipped", "1 foreign compute process(es) on GPU 0", 0)
+    status = scheduler.status()
+    assert (
+        status.runs[
+            ("matmul", "bf16", "eager", "0", "GPU-00000000-0000-0000-0000-00000000000a", "skipped")
+        ]
+        == 1
+    )
+
+
+def test_the_agents_own_probe_child_is_not_foreign(
+    scenario: Callable[[str, float], tuple[FakeGpus, NvmlCollector]],
+) -> None:
+    _, collector = scenario(FOREIGN.replace("process 0 4242", f"process 0 {os.getpid()}"), 1.0)
+    store = TelemetryStore(64)
+    for sample in collector.collect():
+        store.record(sample)
+    assert [d.label for d in gpu_devices(store)] == ["0", "1"]
+    scheduler = make_scheduler(store=store)
+    assert (
+        scheduler.skip_reason(ProbeSpec("matmul", "bf16", "eager", 1, gpu_devices(store)[0]))
+        is None
+    )
+
+
+def test_fast_sampling_and_capture_during_a_probe() -> None:
+    """While a probe runs, loops poll at the fast interval and the probe's samples are kept."""
+    store = TelemetryStore(512)
+    capture = TelemetryCapture()
+    loop = SamplerLoop(HostCollector(), 1.0, sinks=(store.record, capture.record), stall_seconds=30)
+    scheduler = ProbeScheduler(
+        ProbingSection(fast_interval_seconds=0.1), ProbeRunner(), store, capture, (loop,), 1.0
+    )
+    loop.start()
+    try:
+        run = scheduler.run_one(SPEC, force=True, command=child("time.sleep(1.5)\n" + OK))
+    finally:
+        loop.request_stop()
+        loop.join(2)
+    assert run.outcome == "ok"
+    assert loop.interval_seconds == 1.0  # back to the baseline
+    assert len(run.telemetry) >= 10  # ~10 Hz for ~1.5 s, not 1 Hz
+    assert all(run.started_at - 0.2 <= s.timestamp <= run.ended_at + 0.2 for s in run.telemetry)
+
+
+def test_unfinished_runs_become_aborted_at_the_next_start(archive: Engine) -> None:
+    writer = ProbeRunWriter(archive, "node-a")
+    writer.start("a" * 32, SPEC, time.time())
+    assert archived(archive) == [("running", "", 0)]
+    assert ProbeRunWriter(archive, "node-b").abort_unfinished() == 0  # other nodes' rows: no
+    assert ProbeRunWriter(archive, "node-a").abort_unfinished() == 1
+    assert archived(archive) == [("aborted", "the agent stopped during the run", 0)]
+
+
+def test_stopping_the_runner_aborts_the_running_probe() -> None:
+    runner = ProbeRunner(startup_timeout_seconds=60)
+    result: list[ProbeRun] = []
+    thread = threading.Thread(
+        target=lambda: result.append(runner.run(SPEC, command=child("time.sleep(600)\n")))
+    )
+    thread.start()
+    time.sleep(1.0)
+    started = time.monotonic()
+    runner.stop()
+    thread.join(10)
+    assert time.monotonic() - started < 3
+    assert result[0].outcome == "aborted"
+
+
+def test_the_daemon_process_never_imports_torch() -> None:
+    code = (
+        "import sys, agent.daemon, agent.cli, agent.probing, agent.probe_command; "
+        "print('torch' in sys.modules, 'workloads' in sys.modules)"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
+    )
+    assert result.stdout.split() == ["False", "False"]
