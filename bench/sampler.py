@@ -54,8 +54,9 @@ def measure(gpus: int, rate: float, seconds: float) -> tuple[float, int, float]:
         nonlocal polls
         polls += 1
 
-    loop = SamplerLoop(collector, 1 / rate, sinks=(store.record, rollups.add, count),
-                       stall_seconds=30)
+    loop = SamplerLoop(
+        collector, 1 / rate, sinks=(store.record, rollups.add, count), stall_seconds=30
+    )
     collector.collect()  # start NVML and discover the GPUs outside the measured window
     cpu_start, wall_start = time.process_time(), time.monotonic()
     loop.start()
@@ -81,8 +82,10 @@ def main() -> int:
         path = Path(work) / "bench.scn"
         path.write_text(scenario(args.gpus))
         os.environ["FAKENVML_SCENARIO"] = str(path)
-        print(f"machine: {platform.machine()}, {os.cpu_count()} cpus, "
-              f"Python {platform.python_version()}; {args.gpus} fake GPUs, {args.seconds:g} s each")
+        print(
+            f"machine: {platform.machine()}, {os.cpu_count()} cpus, "
+            f"Python {platform.python_version()}; {args.gpus} fake GPUs, {args.seconds:g} s each"
+        )
         print("| rate | polls | CPU, % of one core | CPU per poll (all GPUs) |")
         print("|------|-------|--------------------|-------------------------|")
         for rate in args.rates:

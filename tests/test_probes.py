@@ -15,7 +15,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from conftest import FakeGpus
+from conftest import FakeGpus, start_agent
+from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy import Engine, text
 
 from agent.archive.database import open_engine, upgrade
@@ -336,3 +337,139 @@ def test_the_daemon_process_never_imports_torch() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
     )
     assert result.stdout.split() == ["False", "False"]
+
+
+def test_sustain_probe_json_from_the_command_line() -> None:
+    """Acceptance 4 (on this CPU): the manifest and the per-iteration count, as JSON."""
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "agent",
+            "probe",
+            "--workload",
+            "matmul",
+            "--precision",
+            "fp32",
+            "--duration",
+            "5",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+        env={k: v for k, v in os.environ.items() if not k.startswith(("SUSTAIN_", "FAKENVML_"))},
+    )
+    assert result.returncode == 0, result.stderr
+    (run,) = json.loads(result.stdout)["runs"]
+    assert (run["workload"], run["precision"], run["device"], run["outcome"]) == (
+        "matmul",
+        "fp32",
+        "cpu",
+        "ok",
+    )
+    assert run["manifest"]["workload"] == "matmul"
+    assert run["manifest"]["precision"] == "fp32"
+    assert run["iterations"] > 0
+    assert run["iterations"] == run["result"]["iterations"]
+    assert run["throughput"] > 1e8  # FLOP/s of a CPU: more than 0.1 GFLOP/s
+    assert run["ratio_to_best"] == 1.0
+
+
+def sustain_probe(*args: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SUSTAIN_", "FAKENVML_"))}
+    env["COLUMNS"] = "200"  # rich wraps its table to the terminal width
+    return subprocess.run(
+        [sys.executable, "-m", "agent", "probe", *args],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+        env=env,
+    )
+
+
+def test_sustain_probe_reports_each_precision_against_the_best() -> None:
+    """Each precision's throughput is put against the device's best one, so a slow fallback path
+    (fp16 on this CPU) shows as a ratio, not as an error; fp8 cannot run here: unsupported, with
+    the reason, never a number."""
+    result = sustain_probe(
+        "--workload", "matmul", "--precision", "bf16", "--precision", "fp16",
+        "--precision", "fp8", "--duration", "2", "--json",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    runs = {run["precision"]: run for run in json.loads(result.stdout)["runs"]}
+    best = max(runs["bf16"]["throughput"], runs["fp16"]["throughput"])
+    for precision in ("bf16", "fp16"):
+        assert runs[precision]["outcome"] == "ok"
+        assert runs[precision]["ratio_to_best"] == pytest.approx(
+            runs[precision]["throughput"] / best
+        )
+    assert sorted([runs["bf16"]["ratio_to_best"], runs["fp16"]["ratio_to_best"]])[1] == 1.0
+    assert runs["fp8"]["outcome"] == "unsupported"
+    assert "8.9" in runs["fp8"]["reason"] or "CUDA" in runs["fp8"]["reason"]
+    assert runs["fp8"]["throughput"] is None
+    assert runs["fp8"]["ratio_to_best"] is None
+
+    table = sustain_probe("--workload", "matmul", "--precision", "fp8", "--duration", "1")
+    assert table.returncode == 0, table.stderr
+    assert "sustain probe results" in table.stdout
+    assert "unsupported" in table.stdout
+    assert "vs best" in table.stdout
+
+
+def test_sustain_probe_unknown_device_is_one_line_exit_2() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "agent", "probe", "--device", "7", "--workload", "matmul"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        "sustain: error: no device '7' here (devices: cpu)"
+    ]
+
+
+def test_the_daemon_runs_its_plan_and_archives_the_runs(tmp_path: Path) -> None:
+    config = tmp_path / "sustain.toml"
+    config.write_text(
+        textwrap.dedent(
+            """
+            [probing]
+            initial_delay_seconds = 0
+            duty_cycle = 0.5
+
+            [[probing.plan]]
+            workload = "matmul"
+            precisions = ["fp32"]
+            duration_seconds = 2
+            interval_seconds = 3600
+            jitter_seconds = 0
+            """
+        )
+    )
+    running = start_agent(tmp_path, "--config", str(config))
+    try:
+        body = running.wait_for('outcome="ok"', timeout=120)
+    finally:
+        code, _, err = running.terminate()
+    assert code == 0, err
+    runs = {
+        (sample.labels["workload"], sample.labels["device"], sample.labels["outcome"]): sample.value
+        for family in text_string_to_metric_families(body)
+        if family.name == "sustain_probe_runs"
+        for sample in family.samples
+    }
+    assert runs[("matmul", "cpu", "ok")] == 1
+    engine = open_engine(f"sqlite:///{tmp_path}/sustain.db")
+    try:
+        rows = archived(engine)
+        with engine.connect() as connection:
+            (series,) = connection.execute(text("SELECT iterations FROM probe_series")).one()
+    finally:
+        engine.dispose()
+    assert rows[0][0] == "ok"
+    assert len(json.loads(series)) == rows[0][2] > 0

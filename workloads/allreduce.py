@@ -1,0 +1,160 @@
+"""All-reduce bus bandwidth across every visible GPU of the node (NCCL), as nccl-tests reports it.
+
+GPU-only: nothing in this module runs on a CPU-only machine, where the workload is reported
+unsupported before any of it is reached. It follows the torch.distributed documentation:
+
+- One process per GPU. This process is rank 0 on cuda:0 and the one that speaks the protocol;
+  ranks 1..n-1 are started with the multiprocessing "spawn" method (CUDA cannot be forked) and
+  print nothing. All join one NCCL process group through a TCP store on 127.0.0.1 at a free port.
+- Every rank runs the same sequence per iteration: one tiny MAX all-reduce of a stop flag (rank 0
+  sets it when its duration or iteration cap is reached, outside the timed window), then the
+  timed all-reduce(s) of the payload. So all ranks do the same number of iterations and stop
+  together.
+- Work is counted in bus bytes, as nccl-tests defines them: algbw = bytes / time, and
+  busbw = algbw * 2(n-1)/n, the per-link traffic of a ring all-reduce, comparable across node
+  sizes. An iteration's work is bytes * 2(n-1)/n * repeats, so its throughput is the bus bandwidth.
+- Message: 1/8 of the free memory of cuda:0, at most 1 GiB (16 MiB with --size small), repeated
+  5 times per iteration.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import socket
+from collections.abc import Generator
+from datetime import timedelta
+from typing import ClassVar
+
+import torch
+import torch.distributed as dist
+
+from workloads import precision as precisions
+from workloads.device import DeviceInfo
+from workloads.workload import Request, Spec, Step, Workload
+
+MAX_BYTES = 1 << 30
+SMALL_BYTES = 16 << 20
+REPEATS = 5
+GROUP_TIMEOUT = timedelta(seconds=120)
+JOIN_SECONDS = 60.0
+
+
+class _Rank:  # GPU-only: not exercised on CPU
+    """One rank's share: the process group, the payload, and the stop agreement."""
+
+    def __init__(
+        self, rank: int, world: int, port: int, precision: str, message_bytes: int
+    ) -> None:
+        self.device = torch.device("cuda", rank)
+        torch.cuda.set_device(self.device)
+        dist.init_process_group(
+            backend="nccl",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=world,
+            timeout=GROUP_TIMEOUT,
+        )
+        dtype = precisions.dtype(precision)
+        element = torch.empty((), dtype=dtype).element_size()
+        self.payload = torch.ones(message_bytes // element, dtype=dtype, device=self.device)
+        self.bytes = self.payload.numel() * element
+        self.flag = torch.zeros(1, dtype=torch.int32, device=self.device)
+
+    def reduce(self) -> None:
+        for _ in range(REPEATS):
+            dist.all_reduce(self.payload)
+
+    def agree_stop(self, stop: bool) -> bool:
+        self.flag.fill_(int(stop))
+        dist.all_reduce(self.flag, op=dist.ReduceOp.MAX)
+        return bool(self.flag.item())
+
+    def close(self) -> None:
+        dist.destroy_process_group()
+
+
+def _follow(rank: int, world: int, port: int, precision: str, message_bytes: int) -> None:
+    """Ranks 1..n-1: do what rank 0 does, until rank 0 says stop."""
+    member = _Rank(rank, world, port, precision, message_bytes)  # GPU-only: not exercised on CPU
+    while not member.agree_stop(False):
+        member.reduce()
+        torch.cuda.synchronize(member.device)
+    member.close()
+
+
+def _free_port() -> int:
+    """A port free now; the store binds it moments later (a race nccl-tests' launchers share)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+        return port
+
+
+class Allreduce(Workload):
+    spec: ClassVar[Spec] = Spec(
+        name="allreduce",
+        version=1,
+        unit="B/s",
+        work_unit="byte",
+        precisions=("fp32", "bf16"),
+        optimizations=("eager",),
+        default_duration=10.0,
+        devices=("cuda",),
+    )
+
+    @classmethod
+    def unsupported_reason(
+        cls, device: DeviceInfo, precision: str, optimization: str
+    ) -> str | None:
+        if device.kind != "cuda" or device.cuda_device_count < 2:
+            return f"allreduce needs 2 or more CUDA devices ({device.cuda_device_count} visible)"
+        if device.torch_device != "cuda:0":  # GPU-only: not exercised on CPU
+            return "allreduce is node-wide and runs rank 0 on cuda:0: use --device cuda:0"
+        if not dist.is_nccl_available():  # GPU-only: not exercised on CPU
+            return f"torch {torch.__version__} was built without NCCL"
+        return super().unsupported_reason(device, precision, optimization)
+
+    def __init__(self, request: Request, device: DeviceInfo) -> None:  # GPU-only
+        super().__init__(request, device)
+        world = device.cuda_device_count
+        message = (
+            SMALL_BYTES
+            if request.size == "small"
+            else min((device.memory_free_bytes or 0) // 8, MAX_BYTES)
+        )
+        port = _free_port()
+        spawn = multiprocessing.get_context("spawn")
+        self.followers = [
+            spawn.Process(
+                target=_follow, args=(rank, world, port, request.precision, message), daemon=True
+            )
+            for rank in range(1, world)
+        ]
+        for follower in self.followers:
+            follower.start()
+        self.rank = _Rank(0, world, port, request.precision, message)
+        self.work = self.rank.bytes * 2 * (world - 1) / world * REPEATS
+        self.shapes = {"payload": list(self.rank.payload.shape)}
+        self.parameters = {
+            "world_size": world,
+            "bytes": self.rank.bytes,
+            "repeats": REPEATS,
+            "bus_factor": 2 * (world - 1) / world,
+            "backend": "nccl",
+        }
+        self.kernel = "nccl"
+
+    def steps(self) -> Generator[Step, None, None]:  # GPU-only: not exercised on CPU
+        while True:
+            yield Step(work=self.work, run=self.rank.reduce)
+
+    def agree_stop(self, stop: bool) -> bool:  # GPU-only: not exercised on CPU
+        return self.rank.agree_stop(stop)
+
+    def close(self) -> None:  # GPU-only: not exercised on CPU
+        self.rank.close()
+        for follower in self.followers:
+            follower.join(JOIN_SECONDS)
+        failed = [f"{f.name}: exit code {f.exitcode}" for f in self.followers if f.exitcode != 0]
+        if failed:
+            raise RuntimeError(f"allreduce ranks failed: {', '.join(failed)}")

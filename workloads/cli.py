@@ -1,0 +1,169 @@
+"""`python -m workloads run|list|facts`: the command line the agent's probe runner calls.
+
+The daemon never imports this package (nor torch); it starts this command as a child process and
+reads its standard output, so the arguments and the JSON lines (README.md) are the interface.
+A usage error is one line on stderr and exit code 2, as everywhere in sustain; an exception
+inside a run is left to propagate, so the agent records a non-zero exit and the traceback's last
+lines.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from collections.abc import Sequence
+from typing import Any, NoReturn
+
+import torch
+
+from workloads import device as devices
+from workloads import facts, runner
+from workloads.device import DeviceInfo
+from workloads.protocol import Emitter
+from workloads.registry import WORKLOADS
+from workloads.workload import Request, Workload
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        """One line, not argparse's usage block: the agent keeps the last lines of stderr."""
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _device(text: str) -> str:
+    try:
+        devices.parse(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
+    return text
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, not {text!r}")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, not {text!r}")
+    return int(text)
+
+
+def _parser() -> _Parser:
+    parser = _Parser(prog="workloads", description="sustain probe workloads (JSON lines out)")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    run = commands.add_parser("run", help="run one probe and stream its iterations")
+    run.add_argument("--workload", required=True, choices=sorted(WORKLOADS))
+    run.add_argument("--precision", required=True)
+    run.add_argument("--optimization", default="eager", choices=["eager", "compiled"])
+    run.add_argument("--duration", type=_positive_float, help="seconds; default per workload")
+    run.add_argument("--device", required=True, type=_device, help="cpu, cuda or cuda:N")
+    run.add_argument("--max-iterations", type=_positive_int)
+    run.add_argument("--size", default="default", choices=["small", "default"])
+    run.add_argument("--threads", type=_positive_int, help="torch threads (default: torch's)")
+    run.add_argument("--flush-cache", action="store_true", help="matmul: cold caches")
+    run.add_argument("--causal", action="store_true", help="attention: causal mask")
+
+    default_device = "cuda" if torch.cuda.is_available() else "cpu"
+    for name, text in (
+        ("list", "describe the workloads and what the device supports"),
+        ("facts", "torch versions and backend switches"),
+    ):
+        command = commands.add_parser(name, help=text)
+        command.add_argument("--device", default=default_device, type=_device)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.command == "run":
+        workload = WORKLOADS[args.workload]
+        _check_run_arguments(parser, args, workload)
+    emitter = Emitter.claim_stdout()
+    if args.command == "list":
+        emitter.emit(describe_workloads(args.device))
+    elif args.command == "facts":
+        device, reason = runner.device_or_reason(args.device)
+        emitter.emit(facts.facts(device, reason))
+    else:
+        if args.threads is not None:
+            torch.set_num_threads(args.threads)
+        request = Request(
+            precision=args.precision,
+            optimization=args.optimization,
+            size=args.size,
+            flush_cache=args.flush_cache,
+            causal=args.causal,
+        )
+        duration = args.duration or workload.spec.default_duration
+        runner.run(
+            workload,
+            request,
+            args.device,
+            duration=duration,
+            max_iterations=args.max_iterations,
+            emitter=emitter,
+        )
+    return 0
+
+
+def _check_run_arguments(
+    parser: _Parser, args: argparse.Namespace, workload: type[Workload]
+) -> None:
+    """Arguments the workload does not declare are usage errors; what the device lacks is not."""
+    spec = workload.spec
+    if args.precision not in spec.precisions:
+        known = ", ".join(spec.precisions)
+        parser.error(f"{spec.name} has no precision {args.precision!r} (it has {known})")
+    if args.optimization not in spec.optimizations:
+        parser.error(f"{spec.name} has no optimization level {args.optimization!r}")
+    if args.flush_cache and spec.name != "matmul":
+        parser.error("--flush-cache applies to matmul only")
+    if args.causal and spec.name != "attention":
+        parser.error("--causal applies to attention only")
+
+
+def describe_workloads(device_spec: str) -> dict[str, Any]:
+    device, device_reason = runner.device_or_reason(device_spec)
+    return {
+        "device": device_spec if device is None else device.torch_device,
+        "device_unavailable": device_reason,
+        "workloads": {
+            name: _describe(workload, device, device_reason) for name, workload in WORKLOADS.items()
+        },
+    }
+
+
+def _describe(
+    workload: type[Workload], device: DeviceInfo | None, device_reason: str | None
+) -> dict[str, Any]:
+    spec = workload.spec
+
+    def support(precision: str, optimization: str) -> dict[str, Any]:
+        if device is None:
+            reason = device_reason
+        else:
+            reason = workload.unsupported_reason(device, precision, optimization)
+        return {"supported": reason is None, "reason": reason}
+
+    by_precision = {p: support(p, "eager") for p in spec.precisions}
+    runnable = [p for p, s in by_precision.items() if s["supported"]]
+    reference = runnable[0] if runnable else spec.precisions[0]
+    return {
+        "version": spec.version,
+        "unit": spec.unit,
+        "work_unit": spec.work_unit,
+        "default_duration": spec.default_duration,
+        "devices": list(spec.devices),
+        "applies": bool(runnable),
+        "reason": None if runnable else by_precision[spec.precisions[0]]["reason"],
+        "precisions": by_precision,
+        "optimizations": {o: support(reference, o) for o in spec.optimizations},
+    }

@@ -1,0 +1,174 @@
+"""The iteration loop and the run's three kinds of line: manifest, iterations, result.
+
+Every iteration is emitted, warm-up included: deciding what is warm-up is the analysis's job, and
+a series with its first seconds cut off cannot show a warm-up or a slowdown. The stop condition
+is checked between iterations only, so a run ends at most one iteration after its duration.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from workloads import facts
+from workloads import precision as precisions
+from workloads.device import DeviceInfo, probe
+from workloads.protocol import Emitter, Unsupported
+from workloads.timer import Timer, for_device
+from workloads.workload import Record, Request, Workload
+
+
+def run(
+    workload_class: type[Workload],
+    request: Request,
+    device_spec: str,
+    *,
+    duration: float,
+    max_iterations: int | None,
+    emitter: Emitter,
+) -> None:
+    """Run one probe to completion; an Unsupported outcome is a line on stdout, not an error."""
+    try:
+        device = probe(device_spec)
+        reason = workload_class.unsupported_reason(device, request.precision, request.optimization)
+        if reason is not None:
+            raise Unsupported(reason)
+        if device.kind == "cuda":  # GPU-only: not exercised on CPU
+            # CUDA events are recorded on the current device's stream: make it this device.
+            torch.cuda.set_device(device.torch_device)
+        precisions.configure(request.precision)
+        workload = workload_class(request, device)
+    except Unsupported as exc:
+        emitter.emit(_unsupported(workload_class, request, device_spec, exc))
+        return
+    timer = for_device(workload.torch_device)
+    emitter.emit(manifest(workload, timer, duration, max_iterations))
+
+    def on_record(index: int, record: Record) -> None:
+        line: dict[str, Any] = {
+            "event": "iteration",
+            "index": index,
+            "start": record.start,
+            "end": record.end,
+            "work": record.work,
+        }
+        if record.phase is not None:
+            line["phase"] = record.phase
+        emitter.emit(line)
+
+    try:
+        records = iterate(workload, timer, duration, max_iterations, on_record)
+    finally:
+        workload.close()
+    emitter.emit(result(workload, records))
+
+
+def iterate(
+    workload: Workload,
+    timer: Timer,
+    duration: float,
+    max_iterations: int | None,
+    on_record: Callable[[int, Record], None],
+) -> list[Record]:
+    """Time steps until the duration or the iteration cap is reached (at least one iteration)."""
+    records: list[Record] = []
+    steps = workload.steps()
+    began = timer.now()
+    while True:
+        done = max_iterations is not None and len(records) >= max_iterations
+        done = done or (bool(records) and timer.now() - began >= duration)
+        if workload.agree_stop(done):
+            break
+        step = next(steps)
+        start, end = timer.measure(step.run)
+        record = Record(start=start, end=end, work=step.work, phase=step.phase)
+        records.append(record)
+        on_record(len(records) - 1, record)
+    steps.close()
+    return records
+
+
+def manifest(
+    workload: Workload, timer: Timer, duration: float, max_iterations: int | None
+) -> dict[str, Any]:
+    spec = workload.spec
+    return {
+        "event": "manifest",
+        "workload": spec.name,
+        "version": spec.version,
+        "unit": spec.unit,
+        "work_unit": spec.work_unit,
+        "precision": workload.request.precision,
+        "optimization": workload.request.optimization,
+        "size": workload.request.size,
+        "device": workload.device.torch_device,
+        "device_name": workload.device.name,
+        "timer": timer.name,
+        "shapes": workload.shapes,
+        "parameters": workload.parameters,
+        "torch": torch.__version__,
+        "backends": facts.backends(),
+        "kernel": workload.kernel,
+        "threads": torch.get_num_threads(),
+        "duration_target": duration,
+        "max_iterations": max_iterations,
+        "started": time.time(),
+        "pid": os.getpid(),
+    }
+
+
+def result(workload: Workload, records: Sequence[Record]) -> dict[str, Any]:
+    """Totals over the timed windows only: time between iterations (a cache flush) is excluded."""
+    line: dict[str, Any] = {
+        "event": "result",
+        "iterations": len(records),
+        **_totals(records),
+        "elapsed": records[-1].end - records[0].start,
+        "kernel": workload.kernel,
+    }
+    phases = sorted({r.phase for r in records if r.phase is not None})
+    if phases:
+        line["phases"] = {
+            phase: {
+                "iterations": sum(1 for r in records if r.phase == phase),
+                **_totals([r for r in records if r.phase == phase]),
+            }
+            for phase in phases
+        }
+    line.update(workload.summary(records))
+    return line
+
+
+def _totals(records: Sequence[Record]) -> dict[str, Any]:
+    duration = math.fsum(r.end - r.start for r in records)
+    work = math.fsum(r.work for r in records)
+    return {
+        "duration": duration,
+        "work": work,
+        "throughput": work / duration if duration > 0 else None,
+    }
+
+
+def _unsupported(
+    workload_class: type[Workload], request: Request, device_spec: str, exc: Unsupported
+) -> dict[str, Any]:
+    return {
+        "event": "unsupported",
+        "reason": exc.reason,
+        "workload": workload_class.spec.name,
+        "precision": request.precision,
+        "optimization": request.optimization,
+        "device": device_spec,
+    }
+
+
+def device_or_reason(spec: str) -> tuple[DeviceInfo | None, str | None]:
+    try:
+        return probe(spec), None
+    except Unsupported as exc:
+        return None, exc.reason

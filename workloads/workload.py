@@ -1,0 +1,99 @@
+"""What a workload declares and what the runner asks of it.
+
+A workload is a class with a declaration (`Spec`), a static capability check that `list` and
+`run` share, and, once constructed for a device and precision (allocation happens there), an
+endless stream of `Step`s. The runner owns timing, stopping and output, so every workload is
+timed and reported the same way. Anything a generator does between two yields (a cache flush,
+choosing the next token) runs outside the timed window.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Generator, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar, Literal
+
+import torch
+
+from workloads import precision as precisions
+from workloads.device import DeviceInfo
+
+Size = Literal["small", "default"]
+
+
+@dataclass(frozen=True, slots=True)
+class Spec:
+    name: str
+    version: int
+    """Bumped whenever the method changes: results of different versions are not comparable."""
+    unit: str
+    work_unit: str
+    precisions: tuple[str, ...]
+    optimizations: tuple[str, ...]
+    default_duration: float
+    devices: tuple[Literal["cpu", "cuda"], ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    precision: str
+    optimization: str
+    size: Size
+    flush_cache: bool = False
+    causal: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    work: float
+    run: Callable[[], None]
+    phase: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Record:
+    """One timed iteration, as emitted."""
+
+    start: float
+    end: float
+    work: float
+    phase: str | None
+
+
+class Workload(ABC):
+    spec: ClassVar[Spec]
+
+    def __init__(self, request: Request, device: DeviceInfo) -> None:
+        self.request = request
+        self.device = device
+        self.torch_device = torch.device(device.torch_device)
+        self.shapes: dict[str, Any] = {}
+        self.parameters: dict[str, Any] = {}
+        self.kernel: str | None = None
+
+    @classmethod
+    def unsupported_reason(
+        cls, device: DeviceInfo, precision: str, optimization: str
+    ) -> str | None:
+        """Why this device cannot run the workload at this precision and level, or None."""
+        del optimization  # only inference has a level other than eager, and checks it itself
+        if device.kind not in cls.spec.devices:
+            return f"{cls.spec.name} needs a CUDA device"
+        return precisions.unsupported_reason(precision, device)
+
+    @abstractmethod
+    def steps(self) -> Generator[Step, None, None]:
+        """Endless: the runner decides when to stop."""
+
+    def agree_stop(self, stop: bool) -> bool:
+        """Whether to stop now; a multi-process workload makes its processes agree here."""
+        return stop
+
+    def close(self) -> None:  # noqa: B027 - most workloads hold nothing that outlives them
+        """Release what would outlive the run otherwise (worker processes, process groups)."""
+
+    def summary(self, records: Sequence[Record]) -> dict[str, Any]:
+        """Workload-specific fields for the result line."""
+        del records
+        return {}
