@@ -240,7 +240,7 @@ def test_gpu0_lost_and_back_while_gpu1_keeps_reporting(
 
     gpu1 = [s for s in seen if s.device == UUID1]
     gpu0 = [s for s in seen if s.device == UUID0]
-    assert len(gpu1) == len(gpu0) >= 25
+    assert len(gpu1) == len(gpu0) >= 15  # 32 polls on an idle machine
     assert all(value(s, "gpu_power_watts") == 500.0 for s in gpu1)  # every sample, all along
     health = [(fake.scenario_seconds(s.timestamp), value(s, "gpu_healthy")) for s in gpu0]
     assert all(h == 1.0 for t, h in health if t < 9.7)

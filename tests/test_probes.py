@@ -300,7 +300,7 @@ def test_fast_sampling_and_capture_during_a_probe() -> None:
         loop.join(2)
     assert run.outcome == "ok"
     assert loop.interval_seconds == 1.0  # back to the baseline
-    assert len(run.telemetry) >= 10  # ~10 Hz for ~1.5 s, not 1 Hz
+    assert len(run.telemetry) >= 6  # ~10 Hz for ~1.5 s (15 polls unloaded), not 1 Hz (2)
     assert all(run.started_at - 0.2 <= s.timestamp <= run.ended_at + 0.2 for s in run.telemetry)
 
 
