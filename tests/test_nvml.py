@@ -7,6 +7,7 @@ clock, so the seconds it integrates are scenario seconds, as on real hardware th
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import subprocess
@@ -201,7 +202,11 @@ def test_hw_thermal_slowdown_on_gpu1_only_for_its_window(
         elif t < 19.7 or t >= 50.3:
             assert gpu1 == 0.0, t
     gpu1_seconds = values(last[UUID1], "gpu_clock_event_reason_seconds_total")[reason]
-    assert gpu1_seconds == pytest.approx(30.0, abs=1.0)  # one sample interval
+    # Within one sample interval (1 scenario second when the machine keeps up; the widest
+    # actual gap when it does not).
+    times = [t for t, _, _ in timeline]
+    interval = max(b - a for a, b in itertools.pairwise(times))
+    assert gpu1_seconds == pytest.approx(30.0, abs=max(1.0, interval))
     assert values(last[UUID0], "gpu_clock_event_reason_seconds_total")[reason] == 0.0
     violations = values(last[UUID1], "gpu_violation_seconds_total")
     assert violations[(("policy", "thermal"),)] == pytest.approx(30.0, abs=1e-6)
