@@ -153,6 +153,20 @@ def cmd_probe(args: argparse.Namespace) -> int:
         raise UsageError(str(exc)) from None
 
 
+def cmd_analyze(args: argparse.Namespace) -> int:
+    from agent.analysis import InvalidSeriesError
+    from agent.analysis.input import SeriesInputError, analyze_file
+    from agent.analysis.summary import render_summary
+
+    try:
+        result = analyze_file(args.file, args.column, args.kind, args.tolerance)
+    except (SeriesInputError, InvalidSeriesError) as exc:
+        raise UsageError(str(exc)) from None
+    unit = "iterations/s" if args.kind == "duration" else "work/s"
+    print(result.to_json() if args.json else render_summary(result, unit))
+    return EXIT_OK
+
+
 def _positive_seconds(text: str) -> float:
     try:
         value = float(text)
@@ -217,6 +231,27 @@ def build_parser() -> argparse.ArgumentParser:
     probe.add_argument("--force", action="store_true", help="run even if the device is busy")
     probe.add_argument("--json", action="store_true", help="machine-readable results")
     probe.set_defaults(handler=cmd_probe)
+
+    analyze = commands.add_parser(
+        "analyze", help="steady state versus peak of any series (CSV, JSON array, JSON lines)"
+    )
+    analyze.add_argument("file", type=Path)
+    analyze.add_argument("--column", help="column or field to read (default: the only one)")
+    analyze.add_argument(
+        "--kind",
+        choices=["duration", "throughput"],
+        default="duration",
+        help="values are per-iteration durations (default) or throughputs",
+    )
+    analyze.add_argument(
+        "--tolerance",
+        type=float,
+        default=0.02,
+        metavar="R",
+        help="relative equivalence of segments (default 0.02; Traini et al. used 0.05)",
+    )
+    analyze.add_argument("--json", action="store_true", help="one JSON object")
+    analyze.set_defaults(handler=cmd_analyze)
     return parser
 
 

@@ -1,0 +1,26 @@
+"""Steady state versus peak for one probe's iteration series: pure functions, no I/O.
+
+`analyze(throughput, end_times, tolerance=0.02)` for a throughput series and
+`analyze_durations(seconds_per_iteration)` for a duration series return a `SteadyStateResult`.
+"""
+
+from agent.analysis.figures import latency_percentiles
+from agent.analysis.result import Classification, SteadyStateResult
+from agent.analysis.steady import (
+    DEFAULT_TOLERANCE,
+    MIN_ITERATIONS,
+    InvalidSeriesError,
+    analyze,
+    analyze_durations,
+)
+
+__all__ = [
+    "DEFAULT_TOLERANCE",
+    "MIN_ITERATIONS",
+    "Classification",
+    "InvalidSeriesError",
+    "SteadyStateResult",
+    "analyze",
+    "analyze_durations",
+    "latency_percentiles",
+]
