@@ -158,6 +158,9 @@ class ProbePlanEntry(_Section):
         description="Optimization levels to run.",
     )
     duration_seconds: float = Field(default=20.0, gt=0, le=3600, description="Length of one run.")
+    size: Literal["small", "default"] = Field(
+        default="default", description="Problem size: chosen from the device, or small."
+    )
     interval_seconds: float | None = Field(
         default=None, gt=0, description="Run every this many seconds (or give `cron`)."
     )
@@ -238,6 +241,12 @@ class ProbingSection(_Section):
     )
     python: str | None = Field(
         default=None, description="Interpreter for probe children (default: the agent's own)."
+    )
+    tolerance: float = Field(
+        default=0.02,
+        gt=0,
+        lt=1,
+        description="Relative equivalence of segments in the steady-state analysis.",
     )
 
 

@@ -118,6 +118,7 @@ def _probe_families(status: ProbeStatus) -> Iterator[Metric]:
     for device, active in sorted(status.running.items()):
         running.add_metric(list(device), 1.0 if active else 0.0)
     yield running
+    yield from _probe_result_families(status)
     duty = GaugeMetricFamily(
         "sustain_probe_duty_cycle_ratio",
         "Share of the last hour the device spent running probes.",
@@ -126,6 +127,70 @@ def _probe_families(status: ProbeStatus) -> Iterator[Metric]:
     for device, share in sorted(status.duty_used.items()):
         duty.add_metric(list(device), share)
     yield duty
+
+
+def _probe_result_families(status: ProbeStatus) -> Iterator[Metric]:
+    """The latest analysed result of each probe: peak and steady, and why they differ."""
+    throughput = GaugeMetricFamily(
+        "sustain_probe_throughput",
+        "Achieved throughput of the probe's latest run: stat=peak (best short window) or "
+        "stat=steady (mean of the steady state); unit says of what (FLOP/s, B/s, tokens/s).",
+        labels=[*_PROBE_LABELS, "unit", "stat"],
+    )
+    ratio = GaugeMetricFamily(
+        "sustain_probe_sustained_ratio",
+        "Steady throughput over peak throughput of the latest run.",
+        labels=_PROBE_LABELS,
+    )
+    warmup = GaugeMetricFamily(
+        "sustain_probe_warmup_seconds",
+        "Time from the start of the latest run to its steady state.",
+        labels=_PROBE_LABELS,
+    )
+    classification = GaugeMetricFamily(
+        "sustain_probe_classification",
+        "Classification of the latest run (flat, warmup, slowdown, no_steady_state, "
+        "insufficient); value 1.",
+        labels=[*_PROBE_LABELS, "classification"],
+    )
+    cause = GaugeMetricFamily(
+        "sustain_probe_slowdown_cause",
+        "Cause of the latest run's slowdown (thermal, power_brake, power_cap, "
+        "clock_unexplained, not_clock_bound); value 1, present only for a slowdown.",
+        labels=[*_PROBE_LABELS, "cause"],
+    )
+    share = GaugeMetricFamily(
+        "sustain_probe_reason_share_ratio",
+        "Share of the latest run's steady state spent under each clock-event reason.",
+        labels=[*_PROBE_LABELS, "reason"],
+    )
+    efficiency = GaugeMetricFamily(
+        "sustain_probe_work_per_joule",
+        "Work done per joule over the latest run (work_unit: flop, byte, token).",
+        labels=[*_PROBE_LABELS, "work_unit"],
+    )
+    for key, result in sorted(status.results.items()):
+        labels = list(key)
+        figures = result.analysis.figures
+        for stat in ("peak", "steady"):
+            value = figures.get(f"{stat}_throughput")
+            if value is not None:
+                throughput.add_metric([*labels, result.unit, stat], value)
+        if figures.get("sustained_ratio") is not None:
+            ratio.add_metric(labels, figures["sustained_ratio"])
+        if figures.get("warmup_seconds") is not None:
+            warmup.add_metric(labels, figures["warmup_seconds"])
+        classification.add_metric([*labels, str(figures.get("classification"))], 1.0)
+        attribution = result.analysis.attribution
+        if attribution.cause is not None:
+            cause.add_metric([*labels, attribution.cause], 1.0)
+        if attribution.segments:
+            steady = attribution.segments[-1]
+            for reason, value in sorted(steady.reason_share.items()):
+                share.add_metric([*labels, reason], value)
+        if attribution.work_per_joule is not None:
+            efficiency.add_metric([*labels, result.work_unit], attribution.work_per_joule)
+    yield from (throughput, ratio, warmup, classification, cause, share, efficiency)
 
 
 def _label_values(field: Field, labels: tuple[tuple[str, str], ...]) -> list[str]:

@@ -29,6 +29,7 @@ from agent.archive.database import ArchiveError
 from agent.archive.probe_runs import ProbeRunWriter
 from agent.buffers import TelemetryStore
 from agent.config import ProbePlanEntry, ProbingSection
+from agent.probe_analysis import AnalysisError, RunAnalysis, analyze_run
 from agent.probes import CPU, ProbeDevice, ProbeRun, ProbeRunner, ProbeSpec, skipped
 from agent.sampler import SamplerLoop
 from collectors.base import Sample
@@ -81,14 +82,27 @@ def gpu_devices(store: TelemetryStore) -> list[ProbeDevice]:
     return sorted(found, key=lambda device: device.index or 0)
 
 
+ProbeKey = tuple[str, str, str, str, str]  # workload, precision, optimization, device, uuid
+
+
+@dataclass(frozen=True, slots=True)
+class ProbeResult:
+    """The latest analysed result of one probe, for the exporter."""
+
+    unit: str
+    work_unit: str
+    analysis: RunAnalysis
+
+
 @dataclass(frozen=True, slots=True)
 class ProbeStatus:
     """What the exporter shows of probing."""
 
-    runs: dict[tuple[str, str, str, str, str, str], int]  # workload..device, uuid, outcome
-    last_run: dict[tuple[str, str, str, str, str], float]
+    runs: dict[tuple[str, str, str, str, str, str], int]  # ProbeKey + outcome
+    last_run: dict[ProbeKey, float]
     running: dict[tuple[str, str], bool]
     duty_used: dict[tuple[str, str], float]
+    results: dict[ProbeKey, ProbeResult]
 
 
 def _device_labels(device: ProbeDevice) -> tuple[str, str]:
@@ -120,7 +134,8 @@ class ProbeScheduler:
         self._history: dict[str, deque[tuple[float, float]]] = {}
         self._fast_users = 0
         self._runs: Counter[tuple[str, str, str, str, str, str]] = Counter()
-        self._last_run: dict[tuple[str, str, str, str, str], float] = {}
+        self._last_run: dict[ProbeKey, float] = {}
+        self._results: dict[ProbeKey, ProbeResult] = {}
         self._running: dict[tuple[str, str], bool] = {}
         self._stopping = threading.Event()
 
@@ -166,7 +181,12 @@ class ProbeScheduler:
                     if self._stopping.is_set():
                         return runs
                     spec = ProbeSpec(
-                        entry.workload, precision, optimization, entry.duration_seconds, device
+                        entry.workload,
+                        precision,
+                        optimization,
+                        entry.duration_seconds,
+                        device,
+                        None if entry.size == "default" else entry.size,
                     )
                     runs.append(self.run_one(spec))
         return runs
@@ -191,6 +211,7 @@ class ProbeScheduler:
             finally:
                 telemetry = self._end(spec, run_id)
             run = replace(run, telemetry=tuple(telemetry))
+            analysis = self._analyze(run)
             if run.outcome not in ("ok", "unsupported"):
                 log.warning("probe %s %s: %s", spec.name, run.outcome, run.reason)
             else:
@@ -201,8 +222,29 @@ class ProbeScheduler:
                     len(run.iterations),
                     len(telemetry),
                 )
-            self._record(run, started=True)
+            self._record(run, started=True, analysis=analysis)
             return run
+
+    def _analyze(self, run: ProbeRun) -> RunAnalysis | None:
+        if run.outcome != "ok" or not run.iterations:
+            return None
+        try:
+            analysis = analyze_run(run, self.runner.python, self.settings.tolerance)
+        except AnalysisError as exc:
+            log.error("probe %s not analysed: %s", run.spec.name, exc)
+            return None
+        figures = analysis.figures
+        log.info(
+            "probe %s: %s, peak %.4g, steady %s, cause %s",
+            run.spec.name,
+            figures.get("classification"),
+            figures.get("peak_throughput") or 0.0,
+            "-"
+            if figures.get("steady_throughput") is None
+            else f"{figures['steady_throughput']:.4g}",
+            analysis.attribution.cause or "-",
+        )
+        return analysis
 
     def skip_reason(self, spec: ProbeSpec) -> str | None:
         device = spec.device
@@ -298,12 +340,19 @@ class ProbeScheduler:
             self._running[_device_labels(spec.device)] = False
         return telemetry
 
-    def _record(self, run: ProbeRun, *, started: bool) -> None:
+    def _record(self, run: ProbeRun, *, started: bool, analysis: RunAnalysis | None = None) -> None:
         spec = run.spec
         device, uuid = _device_labels(spec.device)
         key = (spec.workload, spec.precision, spec.optimization, device, uuid)
         with self._lock:
             self._runs[(*key, run.outcome)] += 1
+            if analysis is not None:
+                manifest = run.manifest or {}
+                self._results[key] = ProbeResult(
+                    unit=str(manifest.get("unit", "")),
+                    work_unit=str(manifest.get("work_unit", "")),
+                    analysis=analysis,
+                )
             if run.outcome != "skipped":
                 self._last_run[key] = run.ended_at
                 history = self._history.setdefault(spec.device.key, deque())
@@ -312,7 +361,7 @@ class ProbeScheduler:
                     history.popleft()
         if self._writer is not None:
             try:
-                self._writer.finish(run, started=started)
+                self._writer.finish(run, started=started, analysis=analysis)
             except ArchiveError as exc:
                 log.error("probe %s not archived: %s", spec.name, exc)
 
@@ -328,8 +377,11 @@ class ProbeScheduler:
             running = dict(self._running)
             runs = dict(self._runs)
             last_run = dict(self._last_run)
+            results = dict(self._results)
         duty = {}
         for device in self.devices():
             if device.key in keys or _device_labels(device) in running:
                 duty[_device_labels(device)] = self.duty_used(device.key, now) / DUTY_WINDOW_SECONDS
-        return ProbeStatus(runs=runs, last_run=last_run, running=running, duty_used=duty)
+        return ProbeStatus(
+            runs=runs, last_run=last_run, running=running, duty_used=duty, results=results
+        )

@@ -446,7 +446,8 @@ def test_the_daemon_runs_its_plan_and_archives_the_runs(tmp_path: Path) -> None:
             [[probing.plan]]
             workload = "matmul"
             precisions = ["fp32"]
-            duration_seconds = 2
+            duration_seconds = 3
+            size = "small"
             interval_seconds = 3600
             jitter_seconds = 0
             """
@@ -454,7 +455,7 @@ def test_the_daemon_runs_its_plan_and_archives_the_runs(tmp_path: Path) -> None:
     )
     running = start_agent(tmp_path, "--config", str(config))
     try:
-        body = running.wait_for('outcome="ok"', timeout=120)
+        body = running.wait_for("sustain_probe_throughput{", timeout=120)
     finally:
         code, _, err = running.terminate()
     assert code == 0, err
@@ -465,6 +466,15 @@ def test_the_daemon_runs_its_plan_and_archives_the_runs(tmp_path: Path) -> None:
         for sample in family.samples
     }
     assert runs[("matmul", "cpu", "ok")] == 1
+    # Acceptance 4 of issue 5: the result on /metrics with peak and steady.
+    figures = {
+        (sample.labels["stat"], sample.labels["unit"]): sample.value
+        for family in text_string_to_metric_families(body)
+        if family.name == "sustain_probe_throughput"
+        for sample in family.samples
+    }
+    assert figures[("peak", "FLOP/s")] > 1e8
+    assert ("steady", "FLOP/s") in figures or "no_steady_state" in body
     engine = open_engine(f"sqlite:///{tmp_path}/sustain.db")
     try:
         rows = archived(engine)
@@ -474,3 +484,14 @@ def test_the_daemon_runs_its_plan_and_archives_the_runs(tmp_path: Path) -> None:
         engine.dispose()
     assert rows[0][0] == "ok"
     assert len(json.loads(series)) == rows[0][2] > 0
+    engine = open_engine(f"sqlite:///{tmp_path}/sustain.db")
+    try:
+        with engine.connect() as connection:
+            classification, peak, analysis = connection.execute(
+                text("SELECT classification, peak_throughput, analysis FROM probe_runs")
+            ).one()
+    finally:
+        engine.dispose()
+    assert classification in ("flat", "warmup", "slowdown", "no_steady_state")
+    assert peak > 1e8
+    assert "attribution" in json.loads(analysis)

@@ -168,6 +168,18 @@ class ProbeRunRecord(Base):
     manifest: Mapped[str | None] = mapped_column(Text)
     result: Mapped[str | None] = mapped_column(Text)
     stderr_tail: Mapped[str] = mapped_column(Text)
+    # The steady-state analysis (NULL for runs that were not ok or not analysed).
+    classification: Mapped[str | None] = mapped_column(String(24))
+    peak_throughput: Mapped[float | None] = mapped_column(Float)
+    steady_throughput: Mapped[float | None] = mapped_column(Float)
+    steady_ci_low: Mapped[float | None] = mapped_column(Float)
+    steady_ci_high: Mapped[float | None] = mapped_column(Float)
+    sustained_ratio: Mapped[float | None] = mapped_column(Float)
+    steady_start_index: Mapped[int | None] = mapped_column(Integer)
+    warmup_seconds: Mapped[float | None] = mapped_column(Float)
+    cause: Mapped[str | None] = mapped_column(String(32))
+    work_per_joule: Mapped[float | None] = mapped_column(Float)
+    analysis: Mapped[str | None] = mapped_column(Text)
 
 
 class ProbeSeriesRecord(Base):

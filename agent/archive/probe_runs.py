@@ -15,11 +15,32 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from agent.archive.database import archive_error
 from agent.archive.models import ProbeRunRecord, ProbeSeriesRecord
+from agent.probe_analysis import RunAnalysis
 from agent.probes import ProbeRun, ProbeSpec
 
 
 def _time(timestamp: float) -> datetime:
     return datetime.fromtimestamp(timestamp, UTC)
+
+
+def _analysis_values(analysis: RunAnalysis | None) -> dict[str, Any]:
+    if analysis is None:
+        return {}
+    figures = analysis.figures
+    ci = figures.get("steady_ci") or (None, None)
+    return {
+        "classification": figures.get("classification"),
+        "peak_throughput": figures.get("peak_throughput"),
+        "steady_throughput": figures.get("steady_throughput"),
+        "steady_ci_low": ci[0],
+        "steady_ci_high": ci[1],
+        "sustained_ratio": figures.get("sustained_ratio"),
+        "steady_start_index": figures.get("steady_start_index"),
+        "warmup_seconds": figures.get("warmup_seconds"),
+        "cause": analysis.attribution.cause,
+        "work_per_joule": analysis.attribution.work_per_joule,
+        "analysis": json.dumps(analysis.as_dict(), sort_keys=True),
+    }
 
 
 class ProbeRunWriter:
@@ -49,10 +70,12 @@ class ProbeRunWriter:
         }
         self._execute("record the start of a probe in", insert(ProbeRunRecord).values(values))
 
-    def finish(self, run: ProbeRun, *, started: bool = True) -> None:
+    def finish(
+        self, run: ProbeRun, *, started: bool = True, analysis: RunAnalysis | None = None
+    ) -> None:
         """Complete the run's row (insert it whole for a run that never started: skipped)."""
         manifest = run.manifest or {}
-        values = {
+        values = _analysis_values(analysis) | {
             "outcome": run.outcome,
             "reason": run.reason,
             "started_at": _time(run.started_at),

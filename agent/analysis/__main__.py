@@ -1,0 +1,59 @@
+"""``python -m agent.analysis``: analyse one probe run in a process of its own.
+
+The daemon never imports numpy or scipy (they alone would double its memory), so it hands a
+finished run's iterations to this short-lived child as JSON on standard input::
+
+    {"iterations": [[start, end, work, phase], ...], "tolerance": 0.02}
+
+and reads one JSON object back: the analysis of the throughput series (work per second of each
+iteration), with ``"phase"`` naming the phase analysed. A run with phases (inference: prefill and
+decode; membw: copy and triad) is analysed on its most frequent phase, whose iterations are
+like one another. Bad input: one line on standard error, exit 2.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections import Counter
+from typing import Any
+
+from agent.analysis import InvalidSeriesError, analyze
+
+
+def analyze_iterations(iterations: list[list[Any]], tolerance: float) -> dict[str, Any]:
+    phases = [row[3] if len(row) > 3 else None for row in iterations]
+    phase = Counter(phases).most_common(1)[0][0] if phases else None
+    positions = [index for index, name in enumerate(phases) if name == phase]
+    chosen = [iterations[index] for index in positions]
+    first = chosen[0][0] if chosen else 0.0
+    throughput = [float(row[2]) / (float(row[1]) - float(row[0])) for row in chosen]
+    ends = [float(row[1]) - first for row in chosen]
+    analysis = analyze(throughput, ends, tolerance=tolerance)
+    result = analysis.as_dict()
+    # Indices into the chosen phase's iterations, mapped back to the run's own numbering.
+    start = analysis.steady_start_index
+    result["steady_start_index"] = None if start is None else positions[start]
+    result["changepoints"] = [positions[i] for i in analysis.changepoints if i < len(positions)]
+    result["phase"] = phase
+    return result
+
+
+def main() -> int:
+    try:
+        request = json.load(sys.stdin)
+        iterations = request["iterations"]
+        tolerance = float(request.get("tolerance", 0.02))
+        if any(float(row[1]) <= float(row[0]) for row in iterations):
+            raise InvalidSeriesError("an iteration ends before it starts")
+        result = analyze_iterations(iterations, tolerance)
+    except (ValueError, KeyError, TypeError, IndexError) as exc:  # InvalidSeriesError is one
+        print(f"agent.analysis: bad input: {exc}", file=sys.stderr)
+        return 2
+    json.dump(result, sys.stdout, allow_nan=False)
+    sys.stdout.write("\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
