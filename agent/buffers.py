@@ -114,8 +114,3 @@ class TelemetryStore:
                 found.append((timestamp, value))
         found.reverse()
         return found
-
-    @property
-    def series_count(self) -> int:
-        with self._lock:
-            return len(self._buffers)

@@ -179,9 +179,6 @@ class Agent:
         self.scheduler.start()
         self.server.start()
 
-    def request_stop(self) -> None:
-        self._stop.set()
-
     def wait(self) -> None:
         while not self._stop.wait(1.0):
             pass
