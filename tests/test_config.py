@@ -168,3 +168,25 @@ def test_parse_listen(text: str, expected: tuple[str, int]) -> None:
 def test_parse_listen_rejects(text: str) -> None:
     with pytest.raises(ValueError, match=r"HOST:PORT|outside"):
         config.parse_listen(text)
+
+
+def test_configuration_reference_documents_every_key() -> None:
+    reference = (Path(__file__).parent.parent / "docs" / "configuration.md").read_text()
+    sections = {
+        name: field.annotation
+        for name, field in config.Settings.model_fields.items()
+        if isinstance(field.annotation, type)
+    }
+    missing = [
+        f"{section}.{key}"
+        for section, model in sections.items()
+        for key in getattr(model, "model_fields", {})
+        if f"`{section}.{key}`" not in reference
+    ]
+    assert len(sections) == 7
+    missing += [
+        f"probing.plan.{key}"
+        for key in config.ProbePlanEntry.model_fields
+        if f"| `{key}` |" not in reference
+    ]
+    assert missing == []
