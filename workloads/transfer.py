@@ -36,10 +36,17 @@ class _Transfer(Workload):
     def _default_bytes(self) -> int:  # GPU-only: not exercised on CPU
         return min((self.device.memory_free_bytes or 0) // 8, MAX_BYTES)
 
+    def copy(self) -> None:
+        raise NotImplementedError
 
-class HostToDevice(_Transfer):
-    spec: ClassVar[Spec] = Spec(
-        name="h2d",
+    def steps(self) -> Generator[Step, None, None]:  # GPU-only: not exercised on CPU
+        while True:
+            yield Step(work=self.bytes, run=self.copy)
+
+
+def _spec(name: str) -> Spec:
+    return Spec(
+        name=name,
         version=1,
         unit="B/s",
         work_unit="byte",
@@ -49,29 +56,16 @@ class HostToDevice(_Transfer):
         devices=("cuda",),
     )
 
-    def steps(self) -> Generator[Step, None, None]:  # GPU-only: not exercised on CPU
-        def copy() -> None:
-            self.device_buffer.copy_(self.host, non_blocking=True)
 
-        while True:
-            yield Step(work=self.bytes, run=copy)
+class HostToDevice(_Transfer):
+    spec: ClassVar[Spec] = _spec("h2d")
+
+    def copy(self) -> None:  # GPU-only: not exercised on CPU
+        self.device_buffer.copy_(self.host, non_blocking=True)
 
 
 class DeviceToHost(_Transfer):
-    spec: ClassVar[Spec] = Spec(
-        name="d2h",
-        version=1,
-        unit="B/s",
-        work_unit="byte",
-        precisions=("fp32",),
-        optimizations=("eager",),
-        default_duration=5.0,
-        devices=("cuda",),
-    )
+    spec: ClassVar[Spec] = _spec("d2h")
 
-    def steps(self) -> Generator[Step, None, None]:  # GPU-only: not exercised on CPU
-        def copy() -> None:
-            self.host.copy_(self.device_buffer, non_blocking=True)
-
-        while True:
-            yield Step(work=self.bytes, run=copy)
+    def copy(self) -> None:  # GPU-only: not exercised on CPU
+        self.host.copy_(self.device_buffer, non_blocking=True)
