@@ -1,7 +1,8 @@
-"""The scheduled archive job: write finished rollup periods and events, and apply retention.
+"""The scheduled archive job: hand finished rollup periods and noticed events to the archive sink,
+and apply each table's retention.
 
-A failed write hands its rows back so the next run retries them in order; rows and events are
-idempotent in the database, so a retry after an ambiguous failure cannot duplicate them.
+The sink spools everything durably before it reaches the database (agent/archive/sink.py), so
+nothing handed over here is held in memory only.
 """
 
 from __future__ import annotations
@@ -9,105 +10,102 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime
 
-from agent.archive.database import ArchiveError
-from agent.archive.events import EventWriter
-from agent.archive.rollups import RollupWriter
+from sqlalchemy import delete
+from sqlalchemy.exc import SQLAlchemyError
+
+from agent.archive.database import archive_error
+from agent.archive.models import EventRecord, ProbeRunRecord, ProbeSeriesRecord, TelemetryRollup
+from agent.archive.sink import ArchiveSink, ArchiveStatus
 from agent.rollup import RollupBuilder
-from collectors.base import Event, Sample
+from collectors.base import Sample
 
 log = logging.getLogger(__name__)
 
-
-@dataclass(frozen=True, slots=True)
-class ArchiveStatus:
-    pending_rows: int
-    rows_written: int
-    pending_events: int
-    events_written: int
-    write_errors: int
-    last_write_timestamp: float | None
+DAY = 86_400.0
 
 
 class ArchiveJob:
-    """Moves finished rollup periods and noticed events into the archive."""
+    """Moves finished rollup periods and noticed events into the archive sink."""
 
     def __init__(
         self,
         builder: RollupBuilder,
-        rollups: RollupWriter,
-        events: EventWriter,
+        sink: ArchiveSink,
         retention_days: float,
+        events_retention_days: float | None = None,
+        probe_runs_retention_days: float | None = None,
     ) -> None:
         self._builder = builder
-        self._rollups = rollups
-        self._events = events
-        self._retention = timedelta(days=retention_days)
+        self.sink = sink
+        self._retention = {
+            "telemetry_rollups": retention_days,
+            "events": events_retention_days,
+            "probe_runs": probe_runs_retention_days,
+        }
         self._lock = threading.Lock()  # the scheduler and the shutdown flush may overlap
-        self._events_lock = threading.Lock()
-        self._pending_events: list[Event] = []
-        self._rows_written = 0
-        self._events_written = 0
-        self._write_errors = 0
-        self._last_write: float | None = None
 
     def add_events(self, sample: Sample) -> None:
-        """Sampler sink: keep the sample's events for the next run."""
+        """Sampler sink: spool the sample's events."""
         if sample.events:
-            with self._events_lock:
-                self._pending_events.extend(sample.events)
             for event in sample.events:
                 log.info("event %s on %s: %s", event.kind, event.device, event.message)
+            self.sink.add_events(sample.events)
 
     def run(self, now: float | None = None) -> None:
         with self._lock:
             self._builder.close_periods(time.time() if now is None else now)
-            rows = self._builder.take()
-            with self._events_lock:
-                events, self._pending_events = self._pending_events, []
-            if not rows and not events:
-                return
-            try:
-                self._events.write(events)
-                self._events_written += len(events)
-                events = []
-                self._rollups.write(rows)
-                self._rows_written += len(rows)
-            except ArchiveError as exc:
-                self._builder.give_back(rows)
-                with self._events_lock:
-                    self._pending_events[:0] = events
-                self._write_errors += 1
-                log.error(
-                    "archive write failed, %d rows and %d events kept for retry: %s",
-                    len(rows),
-                    len(events),
-                    exc,
-                )
-                return
-            self._last_write = time.time()
+            self.sink.add_rollups(self._builder.take())
 
-    def apply_retention(self) -> None:
-        cutoff = datetime.now(UTC) - self._retention
-        try:
-            deleted = self._rollups.delete_older_than(cutoff)
-        except ArchiveError as exc:
-            log.error("retention failed: %s", exc)
-            return
-        if deleted:
-            log.info("retention: deleted %d rollup rows older than %s", deleted, cutoff.isoformat())
+    def apply_retention(self, now: float | None = None) -> dict[str, int]:
+        """Delete this node's rows older than each table's retention; the counts deleted.
+
+        Only this node's rows: in a fleet database every agent applies its own retention.
+        """
+        now = time.time() if now is None else now
+        deleted: dict[str, int] = {}
+        node = self.sink.node
+        for table, days in self._retention.items():
+            if days is None:
+                continue
+            cutoff = datetime.fromtimestamp(now - days * DAY, UTC)
+            try:
+                with self.sink.engine.begin() as connection:
+                    if table == "telemetry_rollups":
+                        count = connection.execute(
+                            delete(TelemetryRollup).where(
+                                TelemetryRollup.node == node, TelemetryRollup.period_start < cutoff
+                            )
+                        ).rowcount
+                    elif table == "events":
+                        count = connection.execute(
+                            delete(EventRecord).where(
+                                EventRecord.node == node, EventRecord.occurred_at < cutoff
+                            )
+                        ).rowcount
+                    else:
+                        old = (
+                            ProbeRunRecord.node == node,
+                            ProbeRunRecord.started_at < cutoff,
+                            ProbeRunRecord.outcome != "running",
+                        )
+                        ids = (
+                            ProbeRunRecord.__table__.select()
+                            .with_only_columns(ProbeRunRecord.run_id)
+                            .where(*old)
+                        )
+                        connection.execute(
+                            delete(ProbeSeriesRecord).where(ProbeSeriesRecord.run_id.in_(ids))
+                        )
+                        count = connection.execute(delete(ProbeRunRecord).where(*old)).rowcount
+            except SQLAlchemyError as exc:
+                log.error("retention: %s", archive_error(f"trim {table} in", self.sink.engine, exc))
+                continue
+            deleted[table] = count
+            if count:
+                log.info("retention: deleted %d %s rows older than %s", count, table, cutoff)
+        return deleted
 
     def status(self) -> ArchiveStatus:
-        # No job lock here: a scrape must not wait for a slow database write.
-        with self._events_lock:
-            pending_events = len(self._pending_events)
-        return ArchiveStatus(
-            pending_rows=self._builder.pending,
-            rows_written=self._rows_written,
-            pending_events=pending_events,
-            events_written=self._events_written,
-            write_errors=self._write_errors,
-            last_write_timestamp=self._last_write,
-        )
+        return self.sink.status()

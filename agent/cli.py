@@ -167,6 +167,79 @@ def cmd_analyze(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _fleet(args: argparse.Namespace, action: Callable[[Any], str], archive: bool = True) -> int:
+    """Run a read-only archive command: its text on stdout, a FleetUsageError as one line."""
+    from agent import fleet_command
+    from agent.archive.database import ArchiveError
+
+    engine = _open_archive(args) if archive else None
+    try:
+        fleet_command.emit(action(engine))
+    except (fleet_command.FleetUsageError, ArchiveError) as exc:
+        raise UsageError(str(exc)) from None
+    finally:
+        if engine is not None:
+            engine.dispose()
+    return EXIT_OK
+
+
+def cmd_stack_show(args: argparse.Namespace) -> int:
+    from agent.fleet_command import stack_show
+
+    return _fleet(
+        args, lambda engine: stack_show(engine, args.stack, args.json), archive=bool(args.stack)
+    )
+
+
+def cmd_stack_diff(args: argparse.Namespace) -> int:
+    from agent.fleet_command import stack_diff
+
+    return _fleet(args, lambda engine: stack_diff(engine, args.a, args.b))
+
+
+def cmd_stack_history(args: argparse.Namespace) -> int:
+    from agent.fleet_command import stack_history
+
+    return _fleet(args, lambda engine: stack_history(engine, args.node, args.json))
+
+
+def cmd_drift(args: argparse.Namespace) -> int:
+    from agent.fleet_command import drift_report
+
+    drift = _settings(args).drift
+    return _fleet(
+        args,
+        lambda engine: drift_report(
+            engine,
+            since_text=args.since,
+            node=args.node,
+            window=drift.window,
+            max_pvalue=drift.max_pvalue,
+            min_magnitude=drift.min_magnitude,
+            history_size=drift.history,
+            outlier_ratio=drift.outlier_ratio,
+            as_json=args.json,
+        ),
+    )
+
+
+def cmd_capacity(args: argparse.Namespace) -> int:
+    from agent.fleet_command import capacity_report
+
+    return _fleet(
+        args,
+        lambda engine: capacity_report(
+            engine,
+            by=args.by,
+            precision=args.precision,
+            workload=args.workload,
+            optimization=args.optimization,
+            since_text=args.since,
+            as_json=args.json,
+        ),
+    )
+
+
 def _positive_seconds(text: str) -> float:
     try:
         value = float(text)
@@ -175,6 +248,50 @@ def _positive_seconds(text: str) -> float:
     if not 0 < value <= 3600:
         raise argparse.ArgumentTypeError(f"must be in (0, 3600] seconds: {text!r}")
     return value
+
+
+def _add_fleet_commands(commands: Any) -> None:
+    """stack, drift and capacity: the commands that read the archive."""
+    stack = commands.add_parser("stack", help="the software stack results are measured on")
+    stack_commands = stack.add_subparsers(dest="stack_command", required=True, metavar="ACTION")
+    show_stack = stack_commands.add_parser(
+        "show", help="this machine's stack now, or a stored one by id (prefix)"
+    )
+    _add_config_flags(show_stack)
+    show_stack.add_argument("stack", nargs="?", help="stack id or prefix (default: read it now)")
+    show_stack.add_argument("--json", action="store_true", help="one JSON object")
+    show_stack.set_defaults(handler=cmd_stack_show)
+    diff_stack = stack_commands.add_parser("diff", help="two stored stacks, field by field")
+    _add_config_flags(diff_stack)
+    diff_stack.add_argument("a", help="old stack id or prefix")
+    diff_stack.add_argument("b", help="new stack id or prefix")
+    diff_stack.set_defaults(handler=cmd_stack_diff)
+    stack_history = stack_commands.add_parser("history", help="stack changes, oldest first")
+    _add_config_flags(stack_history)
+    stack_history.add_argument("--node", help="one node (default: every node in the archive)")
+    stack_history.add_argument("--json", action="store_true", help="a JSON array")
+    stack_history.set_defaults(handler=cmd_stack_history)
+
+    drift = commands.add_parser(
+        "drift", help="lasting changes in sustained throughput, their causes, fleet outliers"
+    )
+    _add_config_flags(drift)
+    drift.add_argument("--since", help="changes from then on: 7d, 24h, 30m or an ISO date/time")
+    drift.add_argument("--node", help="one node's devices (peers still come from every node)")
+    drift.add_argument("--json", action="store_true", help="one JSON object")
+    drift.set_defaults(handler=cmd_drift)
+
+    capacity = commands.add_parser(
+        "capacity", help="sustained throughput per GPU model, node or stack (median, p10)"
+    )
+    _add_config_flags(capacity)
+    capacity.add_argument("--by", choices=["model", "node", "stack"], default="model")
+    capacity.add_argument("--precision", help="one precision, e.g. bf16")
+    capacity.add_argument("--workload", help="one workload, e.g. matmul")
+    capacity.add_argument("--optimization", choices=["eager", "compiled"])
+    capacity.add_argument("--since", help="results from then on: 7d, 24h, 30m or an ISO date")
+    capacity.add_argument("--json", action="store_true", help="a JSON array")
+    capacity.set_defaults(handler=cmd_capacity)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -252,6 +369,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     analyze.add_argument("--json", action="store_true", help="one JSON object")
     analyze.set_defaults(handler=cmd_analyze)
+    _add_fleet_commands(commands)
     return parser
 
 

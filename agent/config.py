@@ -250,6 +250,48 @@ class ProbingSection(_Section):
     )
 
 
+class StackSection(_Section):
+    interval_seconds: float = Field(
+        default=600.0,
+        ge=10,
+        description="How often the stack is read again (it is also read after every probe run).",
+    )
+    container_image: str | None = Field(
+        default=None,
+        description="Container image recorded in the stack; unset: $SUSTAIN_CONTAINER_IMAGE.",
+    )
+
+
+class DriftSection(_Section):
+    enabled: bool = Field(
+        default=True, description="Look for drift in this node's probe results on a schedule."
+    )
+    interval_seconds: float = Field(
+        default=3600.0, ge=10, description="How often the drift detection runs."
+    )
+    window: int = Field(
+        default=50, ge=8, le=1000, description="Results per window of the change-point detection."
+    )
+    max_pvalue: float = Field(
+        default=0.001, gt=0, lt=1, description="Significance a change point needs (t-test)."
+    )
+    min_magnitude: float = Field(
+        default=0.03, ge=0, lt=1, description="Smallest relative change reported as drift."
+    )
+    history: int = Field(
+        default=500,
+        ge=10,
+        le=100_000,
+        description="Most recent results per device, workload, precision and optimization read.",
+    )
+    outlier_ratio: float = Field(
+        default=0.10,
+        gt=0,
+        lt=1,
+        description="A device this far below the median of identical devices is a fleet outlier.",
+    )
+
+
 class ArchiveSection(_Section):
     database_url: str | None = Field(
         default=None,
@@ -266,6 +308,19 @@ class ArchiveSection(_Section):
     )
     retention_days: float = Field(
         default=90.0, gt=0, description="Rollup rows older than this are deleted (checked hourly)."
+    )
+    events_retention_days: float = Field(
+        default=365.0, gt=0, description="Events older than this are deleted (checked hourly)."
+    )
+    probe_runs_retention_days: float = Field(
+        default=730.0,
+        gt=0,
+        description="Probe runs and their iteration series older than this are deleted (hourly).",
+    )
+    spool_path: Path | None = Field(
+        default=None,
+        description="Local spool file that holds archive writes until the database has them; "
+        "unset means data_dir/spool.db.",
     )
 
     @field_validator("database_url")
@@ -317,6 +372,8 @@ class Settings(BaseSettings):
     nvml: NvmlSection = Field(default_factory=NvmlSection)
     probing: ProbingSection = Field(default_factory=ProbingSection)
     archive: ArchiveSection = Field(default_factory=ArchiveSection)
+    stack: StackSection = Field(default_factory=StackSection)
+    drift: DriftSection = Field(default_factory=DriftSection)
 
     @property
     def database_url(self) -> str:
@@ -325,6 +382,10 @@ class Settings(BaseSettings):
             return self.archive.database_url
         path = (self.agent.data_dir / "sustain.db").absolute()
         return URL.create("sqlite", database=str(path)).render_as_string()
+
+    @property
+    def spool_path(self) -> Path:
+        return (self.archive.spool_path or self.agent.data_dir / "spool.db").absolute()
 
     @property
     def listen_address(self) -> tuple[str, int]:

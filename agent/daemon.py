@@ -13,6 +13,7 @@ import logging
 import signal
 import threading
 import time
+from datetime import UTC, datetime, timedelta
 from types import FrameType
 
 from apscheduler.schedulers.background import BackgroundScheduler
@@ -20,18 +21,20 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.process_collector import ProcessCollector
 
 from agent.archive.database import ArchiveError, current_revision, open_engine, upgrade
-from agent.archive.events import EventWriter
-from agent.archive.probe_runs import ProbeRunWriter
-from agent.archive.rollups import RollupWriter
+from agent.archive.sink import ArchiveSink
+from agent.archive.spool import Spool, SpoolError
+from agent.archive.stacks import StackNotFound, find, last_stack
 from agent.archiving import ArchiveJob
 from agent.buffers import TelemetryStore
 from agent.config import Settings, redact_url
+from agent.drift_job import DriftJob
 from agent.exposition import AgentMetrics
 from agent.probes import ProbeRunner
 from agent.probing import ProbeScheduler, TelemetryCapture
 from agent.rollup import RollupBuilder
 from agent.sampler import LoopStatus, SamplerLoop
 from agent.server import ExporterApp, ExporterServer, ListenError
+from agent.stacks import StackTracker
 from collectors.base import Collector, Field
 from collectors.host import HostCollector
 from collectors.nvml import NvmlCollector
@@ -39,6 +42,8 @@ from collectors.nvml import NvmlCollector
 log = logging.getLogger(__name__)
 
 STOP_GRACE_SECONDS = 3.0
+SPOOL_DRAIN_SECONDS = 5.0  # at shutdown; what is left waits in the spool for the next start
+STARTUP_REPLAY_SECONDS = 30.0
 
 
 class StartupError(Exception):
@@ -76,6 +81,7 @@ class Agent:
         self.rollups = RollupBuilder(catalogue, settings.archive.rollup_seconds, time.time())
 
         url = settings.database_url
+        node = settings.agent.node
         try:
             self._engine = open_engine(url)
             if settings.archive.auto_upgrade:
@@ -84,20 +90,38 @@ class Agent:
                 after = current_revision(self._engine)
                 if after != before:
                     log.info("archive schema upgraded from %s to %s", before or "empty", after)
-            probe_writer = ProbeRunWriter(self._engine, settings.agent.node)
-            aborted = probe_writer.abort_unfinished()
-        except ArchiveError as exc:
+            self.sink = ArchiveSink(self._engine, node, Spool(settings.spool_path))
+            # What the last run left in the spool goes first, so that its probe runs are complete
+            # before the unfinished ones are marked aborted.
+            if not self.sink.drain(deadline=time.monotonic() + STARTUP_REPLAY_SECONDS):
+                log.warning("the spool is not empty yet: replaying it in the background")
+            aborted = self.sink.probe_runs.abort_unfinished()
+            previous = last_stack(self._engine, node)
+            stored = find(self._engine, previous) if previous is not None else None
+        except (ArchiveError, SpoolError) as exc:
             raise StartupError(str(exc)) from None
+        except StackNotFound:
+            stored = None
         if aborted:
             log.warning(
                 "%d probe run(s) were interrupted by the last stop: recorded as aborted", aborted
             )
         self.archive_job = ArchiveJob(
             self.rollups,
-            RollupWriter(self._engine, settings.agent.node),
-            EventWriter(self._engine, settings.agent.node),
+            self.sink,
             settings.archive.retention_days,
+            events_retention_days=settings.archive.events_retention_days,
+            probe_runs_retention_days=settings.archive.probe_runs_retention_days,
         )
+        nvml = next((c for c in self.collectors if isinstance(c, NvmlCollector)), None)
+        self.stacks = StackTracker(
+            self.sink,
+            nvml=None if nvml is None else nvml.library,
+            python=self.runner.python,
+            previous=None if stored is None else (stored.stack_id, stored.facts),
+            container_image=settings.stack.container_image,
+        )
+        self.drift = DriftJob(settings.drift, url, node, self.sink)
 
         self.capture = TelemetryCapture()
         self.loops = [
@@ -121,7 +145,8 @@ class Agent:
             self.capture,
             self.loops,
             settings.sampler.interval_seconds,
-            writer=probe_writer,
+            writer=self.sink,
+            stacks=self.stacks,
         )
         registry = CollectorRegistry(auto_describe=False)
         registry.register(
@@ -132,6 +157,8 @@ class Agent:
                 settings.exporter.window_seconds,
                 archive=self.archive_job.status,
                 probes=self.probes.status,
+                stack=self.stacks.status,
+                drift=self.drift.status if settings.drift.enabled else None,
             )
         )
         ProcessCollector(namespace="sustain", registry=registry)
@@ -142,25 +169,7 @@ class Agent:
             self._engine.dispose()
             raise StartupError(str(exc)) from None
 
-        self.scheduler = BackgroundScheduler(timezone="UTC")
-        self.scheduler.add_job(
-            self.archive_job.run,
-            "interval",
-            seconds=min(10, settings.archive.rollup_seconds),
-            id="rollups",
-            max_instances=1,
-            coalesce=True,
-        )
-        self.scheduler.add_job(
-            self.archive_job.apply_retention,
-            "interval",
-            hours=1,
-            id="retention",
-            max_instances=1,
-            coalesce=True,
-        )
-        if settings.probing.enabled:
-            self.probes.schedule(self.scheduler)
+        self.scheduler = self._scheduler(settings)
         log.info(
             "sustain ready: node %s, collectors %s, archive %s, listening on %s:%d",
             settings.agent.node,
@@ -170,10 +179,52 @@ class Agent:
             self.server.port,
         )
 
+    def _scheduler(self, settings: Settings) -> BackgroundScheduler:
+        scheduler = BackgroundScheduler(timezone="UTC")
+        scheduler.add_job(
+            self.archive_job.run,
+            "interval",
+            seconds=min(10, settings.archive.rollup_seconds),
+            id="rollups",
+            max_instances=1,
+            coalesce=True,
+        )
+        scheduler.add_job(
+            self.archive_job.apply_retention,
+            "interval",
+            hours=1,
+            id="retention",
+            max_instances=1,
+            coalesce=True,
+        )
+        scheduler.add_job(
+            self.stacks.refresh,
+            "interval",
+            seconds=settings.stack.interval_seconds,
+            id="stack",
+            max_instances=1,
+            coalesce=True,
+            next_run_time=datetime.now(UTC),
+        )
+        if settings.drift.enabled:
+            scheduler.add_job(
+                self.drift.run,
+                "interval",
+                seconds=settings.drift.interval_seconds,
+                id="drift",
+                max_instances=1,
+                coalesce=True,
+                next_run_time=datetime.now(UTC) + timedelta(seconds=60),
+            )
+        if settings.probing.enabled:
+            self.probes.schedule(scheduler)
+        return scheduler
+
     def loop_statuses(self) -> list[LoopStatus]:
         return [loop.status() for loop in self.loops]
 
     def start(self) -> None:
+        self.sink.start_draining()
         for loop in self.loops:
             loop.start()
         self.scheduler.start()
@@ -195,13 +246,17 @@ class Agent:
         self.probes.stop()  # a running probe would hold up the scheduler's shutdown
         self.scheduler.shutdown(wait=True)
         self.archive_job.run()
-        status = self.archive_job.status()
-        if status.pending_rows or status.pending_events:
-            log.error(
-                "%d rollup rows and %d events could not be written at shutdown",
+        if not self.sink.stop(SPOOL_DRAIN_SECONDS):
+            status = self.sink.status()
+            log.warning(
+                "%d archive writes (%d rollup rows, %d events) stay in the spool %s and are "
+                "replayed at the next start",
+                status.spool_items,
                 status.pending_rows,
                 status.pending_events,
+                self.sink.spool.path,
             )
+        self.sink.spool.close()
         self.server.stop()
         for collector in self.collectors:
             collector.close()

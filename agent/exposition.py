@@ -21,10 +21,12 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector as PromCollector
 
 from agent import __version__
-from agent.archiving import ArchiveStatus
+from agent.archive.sink import ArchiveStatus
 from agent.buffers import TelemetryStore
+from agent.drift_job import DriftStatus, drift_families
 from agent.probing import ProbeStatus
 from agent.sampler import LoopStatus
+from agent.stacks import INFO_LABELS, StackStatus
 from collectors.base import Field, Reading
 
 Catalogue = Mapping[str, Mapping[str, Field]]  # collector name -> field key -> Field
@@ -209,7 +211,11 @@ class AgentMetrics(PromCollector):
         *,
         archive: Callable[[], ArchiveStatus] | None = None,
         probes: Callable[[], ProbeStatus] | None = None,
+        stack: Callable[[], StackStatus] | None = None,
+        drift: Callable[[], DriftStatus] | None = None,
     ) -> None:
+        self._stack = stack
+        self._drift = drift
         self._store = store
         self._catalogue = catalogue
         self._loops = loops
@@ -226,6 +232,10 @@ class AgentMetrics(PromCollector):
         yield from self._self_metrics()
         if self._probes is not None:
             yield from _probe_families(self._probes())
+        if self._stack is not None:
+            yield from _stack_families(self._stack())
+        if self._drift is not None:
+            yield from drift_families(self._drift())
 
     def _telemetry(self) -> Iterator[Metric]:
         since = time.time() - self._window
@@ -339,3 +349,48 @@ class AgentMetrics(PromCollector):
                 "Unix time of the last successful archive write.",
                 value=archive.last_write_timestamp,
             )
+        yield GaugeMetricFamily(
+            "sustain_archive_spool_items",
+            "Writes waiting in the local spool for the archive database (in order).",
+            value=archive.spool_items,
+        )
+        yield GaugeMetricFamily(
+            "sustain_archive_spool_bytes",
+            "Size of the payloads waiting in the local spool.",
+            value=archive.spool_bytes,
+        )
+        if archive.spool_oldest_timestamp is not None:
+            yield GaugeMetricFamily(
+                "sustain_archive_spool_oldest_timestamp_seconds",
+                "Unix time the oldest write waiting in the spool was made; absent when empty.",
+                value=archive.spool_oldest_timestamp,
+            )
+        yield CounterMetricFamily(
+            "sustain_archive_spool_rejected",
+            "Spooled writes the database refused for good (kept in the spool's rejected table).",
+            value=archive.rejected,
+        )
+
+
+def _stack_families(status: StackStatus) -> Iterator[Metric]:
+    if status.stack_id is not None:
+        info = GaugeMetricFamily(
+            "sustain_stack_info",
+            "The software stack probes run on now (value 1); stack_id is its content hash.",
+            labels=["stack_id", *(label for label, _ in INFO_LABELS)],
+        )
+        info.add_metric(
+            [status.stack_id, *(status.labels.get(label, "") for label, _ in INFO_LABELS)], 1.0
+        )
+        yield info
+    yield CounterMetricFamily(
+        "sustain_stack_changes",
+        "Stack changes seen by this agent (the first stack a node records counts as one).",
+        value=status.changes,
+    )
+    if status.last_change_timestamp is not None:
+        yield GaugeMetricFamily(
+            "sustain_stack_last_change_timestamp_seconds",
+            "Unix time this agent last saw the stack change.",
+            value=status.last_change_timestamp,
+        )

@@ -20,13 +20,13 @@ from collections import Counter, deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
+from typing import Protocol
 
 from apscheduler.schedulers.base import BaseScheduler
 from apscheduler.triggers.cron import CronTrigger
 from apscheduler.triggers.interval import IntervalTrigger
 
 from agent.archive.database import ArchiveError
-from agent.archive.probe_runs import ProbeRunWriter
 from agent.buffers import TelemetryStore
 from agent.config import ProbePlanEntry, ProbingSection
 from agent.probe_analysis import AnalysisError, RunAnalysis, analyze_run
@@ -82,6 +82,20 @@ def gpu_devices(store: TelemetryStore) -> list[ProbeDevice]:
     return sorted(found, key=lambda device: device.index or 0)
 
 
+class ProbeArchive(Protocol):
+    """Where runs are recorded: the spooled sink in the daemon, a direct writer in tools."""
+
+    def start(self, run_id: str, spec: ProbeSpec, started_at: float) -> None: ...
+
+    def finish(
+        self, run: ProbeRun, *, analysis: RunAnalysis | None = None, stack_id: str | None = None
+    ) -> None: ...
+
+
+class StackSource(Protocol):
+    def after_run(self, run: ProbeRun) -> str: ...
+
+
 ProbeKey = tuple[str, str, str, str, str]  # workload, precision, optimization, device, uuid
 
 
@@ -120,7 +134,8 @@ class ProbeScheduler:
         capture: TelemetryCapture,
         loops: Sequence[SamplerLoop],
         baseline_interval: float,
-        writer: ProbeRunWriter | None = None,
+        writer: ProbeArchive | None = None,
+        stacks: StackSource | None = None,
     ) -> None:
         self.settings = settings
         self.runner = runner
@@ -129,6 +144,7 @@ class ProbeScheduler:
         self._loops = loops
         self._baseline_interval = baseline_interval
         self._writer = writer
+        self._stacks = stacks
         self._lock = threading.Lock()
         self._device_locks: dict[str, threading.Lock] = {}
         self._history: dict[str, deque[tuple[float, float]]] = {}
@@ -203,7 +219,7 @@ class ProbeScheduler:
             if reason is not None:
                 run = skipped(spec, reason)
                 log.info("probe %s skipped: %s", spec.name, reason)
-                self._record(run, started=False)
+                self._record(run)
                 return run
             run_id = self._begin(spec)
             try:
@@ -222,7 +238,13 @@ class ProbeScheduler:
                     len(run.iterations),
                     len(telemetry),
                 )
-            self._record(run, started=True, analysis=analysis)
+            stack_id = None
+            if self._stacks is not None and run.outcome != "skipped":
+                try:
+                    stack_id = self._stacks.after_run(run)
+                except Exception:  # a stack that cannot be read must not lose the result
+                    log.exception("probe %s: the stack could not be read", spec.name)
+            self._record(run, analysis=analysis, stack_id=stack_id)
             return run
 
     def _analyze(self, run: ProbeRun) -> RunAnalysis | None:
@@ -340,7 +362,13 @@ class ProbeScheduler:
             self._running[_device_labels(spec.device)] = False
         return telemetry
 
-    def _record(self, run: ProbeRun, *, started: bool, analysis: RunAnalysis | None = None) -> None:
+    def _record(
+        self,
+        run: ProbeRun,
+        *,
+        analysis: RunAnalysis | None = None,
+        stack_id: str | None = None,
+    ) -> None:
         spec = run.spec
         device, uuid = _device_labels(spec.device)
         key = (spec.workload, spec.precision, spec.optimization, device, uuid)
@@ -361,7 +389,7 @@ class ProbeScheduler:
                     history.popleft()
         if self._writer is not None:
             try:
-                self._writer.finish(run, started=started, analysis=analysis)
+                self._writer.finish(run, analysis=analysis, stack_id=stack_id)
             except ArchiveError as exc:
                 log.error("probe %s not archived: %s", spec.name, exc)
 

@@ -629,6 +629,11 @@ class NvmlCollector:
         self._pending_events: list[Event] = []
 
     @property
+    def library(self) -> NvmlLibrary:
+        """The collector's NVML session, shared with the stack snapshots (one init per process)."""
+        return self._library
+
+    @property
     def fields(self) -> Mapping[str, Field]:
         return FIELDS
 

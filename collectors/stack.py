@@ -45,6 +45,9 @@ _DATABASE_URL = re.compile(
 )
 # Probe-child backend facts lifted to torch.<name>; the rest stay under torch.backends.
 _TORCH_LIBRARIES = ("cuda", "hip", "cudnn", "nccl")
+# Set by each probe from its precision (a manifest shows them as in effect for that run), so they
+# describe the run, not the stack.
+_PER_RUN_SWITCHES = frozenset({"tf32_matmul", "tf32_cudnn", "float32_matmul_precision"})
 _NVML_ERRORS = (Absent, CallFailed, DeviceLost)
 
 
@@ -108,7 +111,7 @@ def allowed_environment(environ: Mapping[str, str]) -> dict[str, str]:
 
 def diff(a: Mapping[str, Any], b: Mapping[str, Any]) -> list[tuple[str, Any, Any]]:
     """Leaf-by-leaf differences as (dotted path, old, new), sorted by path; missing is None."""
-    old, new = _flatten(a), _flatten(b)
+    old, new = flatten(a), flatten(b)
     return [
         (path, old.get(path), new.get(path))
         for path in sorted(old.keys() | new.keys())
@@ -174,18 +177,24 @@ def _gpu(get: Callable[..., Any], handle: Any) -> dict[str, Any]:
             "sm": hertz(pynvml.NVML_CLOCK_SM),
             "memory": hertz(pynvml.NVML_CLOCK_MEM),
         },
+        # The link's capability only: the current generation and width drop on an idle GPU to
+        # save power, which would read as a stack change every time; they are telemetry
+        # (gpu_pcie_link_generation, gpu_pcie_link_width) and the dashboards compare them.
         "pcie": {
-            "generation": get(pynvml.nvmlDeviceGetCurrPcieLinkGeneration, handle),
             "generation_max": get(pynvml.nvmlDeviceGetMaxPcieLinkGeneration, handle),
-            "width": get(pynvml.nvmlDeviceGetCurrPcieLinkWidth, handle),
             "width_max": get(pynvml.nvmlDeviceGetMaxPcieLinkWidth, handle),
         },
     }
 
 
 def _torch(facts: Mapping[str, Any]) -> dict[str, Any]:
-    """The probe child's facts less the volatile device section (free memory)."""
-    backends = dict(facts.get("backends") or {})
+    """What a probe child reports of its torch, from ``python -m workloads facts`` or from a
+    probe's manifest: the keys both carry, so the two sources give the same stack id."""
+    backends = {
+        name: value
+        for name, value in (facts.get("backends") or {}).items()
+        if name not in _PER_RUN_SWITCHES
+    }
     lifted = {name: backends.pop(name, None) for name in _TORCH_LIBRARIES}
     return {
         "version": facts.get("torch"),
@@ -193,7 +202,6 @@ def _torch(facts: Mapping[str, Any]) -> dict[str, Any]:
         **lifted,
         "backends": backends,
         "threads": facts.get("threads"),
-        "interop_threads": facts.get("interop_threads"),
     }
 
 
@@ -218,7 +226,8 @@ def _text(value: Any) -> str | None:
     return value.decode(errors="replace") if isinstance(value, bytes) else str(value)
 
 
-def _flatten(value: Any, prefix: str = "") -> dict[str, Any]:
+def flatten(value: Any, prefix: str = "") -> dict[str, Any]:
+    """Leaves by dotted path (``gpus.0.model``); an empty mapping or list is one leaf."""
     if isinstance(value, Mapping) and value:
         items = [(str(k), v) for k, v in value.items()]
     elif isinstance(value, list) and value:
@@ -227,7 +236,7 @@ def _flatten(value: Any, prefix: str = "") -> dict[str, Any]:
         return {prefix: value}
     out: dict[str, Any] = {}
     for key, item in items:
-        out.update(_flatten(item, f"{prefix}.{key}" if prefix else key))
+        out.update(flatten(item, f"{prefix}.{key}" if prefix else key))
     return out
 
 

@@ -56,21 +56,26 @@ def postgres_admin() -> Iterator[Engine]:
     engine.dispose()
 
 
+@pytest.fixture
+def postgres_url(postgres_admin: Engine) -> Iterator[str]:
+    """The URL of a new, empty PostgreSQL database made for this test (dropped after)."""
+    name = f"sustain_test_{uuid.uuid4().hex[:16]}"
+    with postgres_admin.connect() as connection:
+        connection.execute(text(f'CREATE DATABASE "{name}"'))
+    try:
+        yield f"{POSTGRES_SERVER}/{name}"
+    finally:
+        with postgres_admin.connect() as connection:
+            connection.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+
+
 @pytest.fixture(params=["sqlite", "postgresql"])
 def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
     """The URL of a new, empty database: a file in tmp_path, or a database made for this test."""
     if request.param == "sqlite":
         yield f"sqlite:///{tmp_path / 'archive.db'}"
         return
-    admin: Engine = request.getfixturevalue("postgres_admin")
-    name = f"sustain_test_{uuid.uuid4().hex[:16]}"
-    with admin.connect() as connection:
-        connection.execute(text(f'CREATE DATABASE "{name}"'))
-    try:
-        yield f"{POSTGRES_SERVER}/{name}"
-    finally:
-        with admin.connect() as connection:
-            connection.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+    yield request.getfixturevalue("postgres_url")
 
 
 @pytest.fixture

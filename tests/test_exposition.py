@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -19,17 +20,19 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.process_collector import ProcessCollector
 
 from agent.archive.database import open_engine, upgrade
-from agent.archive.events import EventWriter
-from agent.archive.rollups import RollupWriter
+from agent.archive.sink import ArchiveSink
+from agent.archive.spool import Spool
 from agent.archiving import ArchiveJob
 from agent.buffers import TelemetryStore
-from agent.config import ProbingSection
+from agent.config import DriftSection, ProbingSection
+from agent.drift_job import DriftJob
 from agent.exposition import AgentMetrics
 from agent.probes import ProbeRunner
 from agent.probing import ProbeScheduler, TelemetryCapture
 from agent.rollup import RollupBuilder
 from agent.sampler import SamplerLoop
 from agent.server import ExporterApp, ExporterServer
+from agent.stacks import StackTracker
 from collectors.host import HostCollector
 from collectors.nvml import NvmlCollector
 
@@ -45,6 +48,8 @@ SELF_PREFIXES = (
     "sustain_events_",
     "sustain_archive_",
     "sustain_probe_",
+    "sustain_stack_",
+    "sustain_drift_",
     "sustain_build_info",
 )
 
@@ -71,6 +76,45 @@ def host_tree(tmp_path: Path) -> Path:
     return tree
 
 
+# What `python -m agent.drift` answers (its shape is tested in tests/test_drift.py).
+DRIFT_ANSWER = {
+    "drifts": [
+        {
+            "node": "node-a",
+            "device": "GPU-0",
+            "device_label": "0",
+            "workload": "matmul",
+            "precision": "bf16",
+            "optimization": "eager",
+            "at": "2026-11-20T10:00:00+00:00",
+            "before": 100.0,
+            "after": 92.0,
+            "change": -0.08,
+            "pvalue": 1e-9,
+            "direction": "regression",
+            "cause": "stack",
+            "explanation": "driver.version 550.54.15 -> 555.42.02",
+            "run_id": "r" * 32,
+            "stack_before": "a" * 64,
+            "stack_after": "b" * 64,
+            "event_id": "e" * 32,
+        }
+    ],
+    "outliers": [
+        {
+            "node": "node-a",
+            "device": "GPU-0",
+            "device_label": "0",
+            "workload": "matmul",
+            "precision": "bf16",
+            "optimization": "eager",
+            "ratio": 0.85,
+            "outlier": True,
+        }
+    ],
+}
+
+
 @pytest.fixture
 def exposition_parts(
     host_tree: Path, tmp_path: Path
@@ -90,13 +134,18 @@ def exposition_parts(
     engine = open_engine(f"sqlite:///{tmp_path}/archive.db")
     upgrade(engine)
     job = ArchiveJob(
-        builder, RollupWriter(engine, "node-a"), EventWriter(engine, "node-a"), retention_days=1
+        builder, ArchiveSink(engine, "node-a", Spool(tmp_path / "spool.db")), retention_days=1
     )
     job.run(now=time.time() + 20)  # close the period the two polls fell in
+    assert job.sink.drain()
     registry = CollectorRegistry(auto_describe=False)
     probes = ProbeScheduler(
         ProbingSection(), ProbeRunner(), store, TelemetryCapture(), (loop,), 1.0
     )
+    stacks = StackTracker(job.sink, nvml=None, python=sys.executable)
+    stacks.refresh()  # torch facts from a real `python -m workloads facts` child
+    drift = DriftJob(DriftSection(), "sqlite://", "node-a", job.sink)
+    drift.take(DRIFT_ANSWER)
     registry.register(
         AgentMetrics(
             store,
@@ -105,6 +154,8 @@ def exposition_parts(
             15.0,
             archive=job.status,
             probes=probes.status,
+            stack=stacks.status,
+            drift=drift.status,
         )
     )
     ProcessCollector(namespace="sustain", registry=registry)

@@ -23,8 +23,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy import text
 
 from agent.archive.database import open_engine, upgrade
-from agent.archive.events import EventWriter
-from agent.archive.rollups import RollupWriter
+from agent.archive.sink import ArchiveSink
+from agent.archive.spool import Spool
 from agent.archiving import ArchiveJob
 from agent.buffers import TelemetryStore
 from agent.exposition import AgentMetrics
@@ -232,8 +232,7 @@ def test_gpu0_lost_and_back_while_gpu1_keeps_reporting(
     upgrade(engine)
     job = ArchiveJob(
         RollupBuilder({"nvml": dict(FIELDS)}, 60, fake.clock()),
-        RollupWriter(engine, "node-a"),
-        EventWriter(engine, "node-a"),
+        ArchiveSink(engine, "node-a", Spool(tmp_path / "spool.db")),
         retention_days=1,
     )
     seen: list[Sample] = []
@@ -259,6 +258,7 @@ def test_gpu0_lost_and_back_while_gpu1_keeps_reporting(
     assert status.errors.get("device_lost", 0) == 1
     assert status.up
     job.run()
+    assert job.sink.drain()
     with engine.connect() as connection:
         archived = connection.execute(
             text("SELECT kind, device, node FROM events ORDER BY occurred_at")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import os
+import platform
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -112,6 +113,7 @@ def manifest(
         "shapes": workload.shapes,
         "parameters": workload.parameters,
         "torch": torch.__version__,
+        "python": platform.python_version(),
         "backends": facts.backends(),
         "kernel": workload.kernel,
         "threads": torch.get_num_threads(),

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy import Engine
+from sqlalchemy import Connection, Engine
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import SQLAlchemyError
 
@@ -46,8 +46,12 @@ class EventWriter:
             return 0
         try:
             with self._engine.begin() as connection:
-                return len(
-                    connection.execute(self._insert, [self._values(e) for e in events]).all()
-                )
+                return self.insert(connection, events)
         except SQLAlchemyError as exc:
             raise archive_error("write events to", self._engine, exc) from exc
+
+    def insert(self, connection: Connection, events: Sequence[Event]) -> int:
+        """Store ``events`` in ``connection``'s transaction; return how many were new."""
+        if not events:
+            return 0
+        return len(connection.execute(self._insert, [self._values(e) for e in events]).all())

@@ -144,6 +144,8 @@ class ProbeRunRecord(Base):
             name="outcome",
         ),
         Index(None, "node", "device", "workload", "started_at"),
+        Index(None, "precision", "workload", "ended_at"),
+        Index(None, "stack_id"),
     )
 
     id: Mapped[int] = mapped_column(
@@ -180,6 +182,16 @@ class ProbeRunRecord(Base):
     cause: Mapped[str | None] = mapped_column(String(32))
     work_per_joule: Mapped[float | None] = mapped_column(Float)
     analysis: Mapped[str | None] = mapped_column(Text)
+    # The stack it ran on and the device's model (migration 0005).
+    stack_id: Mapped[str | None] = mapped_column(String(64))
+    device_model: Mapped[str | None] = mapped_column(String(128))
+    # The steady segment's telemetry, for telling a thermal or power drift from a stack change:
+    # means over the segment, and the share of it with a thermal (or power) throttle reason.
+    steady_sm_clock_hertz: Mapped[float | None] = mapped_column(Float)
+    steady_temperature_celsius: Mapped[float | None] = mapped_column(Float)
+    steady_power_watts: Mapped[float | None] = mapped_column(Float)
+    steady_thermal_share: Mapped[float | None] = mapped_column(Float)
+    steady_power_share: Mapped[float | None] = mapped_column(Float)
 
 
 class ProbeSeriesRecord(Base):
@@ -193,3 +205,25 @@ class ProbeSeriesRecord(Base):
     )
     run_id: Mapped[str] = mapped_column(String(32))
     iterations: Mapped[str] = mapped_column(Text)
+
+
+class StackSnapshotRecord(Base):
+    """One stack (``collectors.stack.StackSnapshot``), stored once however many nodes share it.
+
+    ``facts`` is the canonical JSON whose SHA-256 is ``stack_id``; the version columns repeat a few
+    facts for querying and dashboards.
+    """
+
+    __tablename__ = "stack_snapshots"
+    __table_args__ = (UniqueConstraint("stack_id", name="stack_id"),)
+
+    id: Mapped[int] = mapped_column(
+        BigInteger().with_variant(Integer, "sqlite"), primary_key=True, autoincrement=True
+    )
+    stack_id: Mapped[str] = mapped_column(String(64))
+    facts: Mapped[str] = mapped_column(Text)
+    driver_version: Mapped[str | None] = mapped_column(String(64))
+    cuda_version: Mapped[str | None] = mapped_column(String(32))
+    torch_version: Mapped[str | None] = mapped_column(String(64))
+    first_seen_at: Mapped[datetime] = mapped_column(UTCDateTime())
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime(), server_default=func.now())

@@ -1,7 +1,10 @@
 """Writing probe runs: a ``running`` row at the start, the outcome at the end.
 
 Writing the start first is what lets the agent tell, after a kill -9, which run it never
-finished: at the next start every ``running`` row of this node becomes ``aborted``.
+finished: at the next start every ``running`` row of this node becomes ``aborted``. Both writes
+are made as JSON payloads first (what the spool keeps) and applied idempotently: the start is
+inserted unless the run is there, the end is an upsert on the run id, the series is inserted
+unless it is there; so a payload replayed after an outage or a crash is stored once.
 """
 
 from __future__ import annotations
@@ -10,11 +13,13 @@ import json
 from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy import Engine, insert, update
+from sqlalchemy import Connection, Engine, update
+from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import SQLAlchemyError
 
 from agent.archive.database import archive_error
 from agent.archive.models import ProbeRunRecord, ProbeSeriesRecord
+from agent.attribution import HW_SLOWDOWN, POWER_BRAKE, POWER_CAP, THERMAL_REASONS
 from agent.probe_analysis import RunAnalysis
 from agent.probes import ProbeRun, ProbeSpec
 
@@ -38,15 +43,41 @@ def _analysis_values(analysis: RunAnalysis | None) -> dict[str, Any]:
         "steady_start_index": figures.get("steady_start_index"),
         "warmup_seconds": figures.get("warmup_seconds"),
         "cause": analysis.attribution.cause,
+        **_steady_telemetry(analysis),
         "work_per_joule": analysis.attribution.work_per_joule,
         "analysis": json.dumps(analysis.as_dict(), sort_keys=True),
     }
 
 
+def _steady_telemetry(analysis: RunAnalysis) -> dict[str, Any]:
+    """The last segment's telemetry (the steady one when there is a steady state)."""
+    segments = analysis.attribution.segments
+    if not segments:
+        return {}
+    last = segments[-1]
+    shares = last.reason_share
+    return {
+        "steady_sm_clock_hertz": last.sm_clock_hertz,
+        "steady_temperature_celsius": last.temperature_celsius,
+        "steady_power_watts": last.power_watts,
+        "steady_thermal_share": _share(shares, (*THERMAL_REASONS, HW_SLOWDOWN)),
+        "steady_power_share": _share(shares, (POWER_BRAKE, POWER_CAP)),
+    }
+
+
+def _share(shares: dict[str, float], reasons: tuple[str, ...]) -> float | None:
+    """The largest share among ``reasons`` (they overlap in time, so they do not add up)."""
+    found = [shares[reason] for reason in reasons if reason in shares]
+    return max(found) if found else None
+
+
 class ProbeRunWriter:
+    """One node's probe runs: payloads for the spool, and their idempotent application."""
+
     def __init__(self, engine: Engine, node: str) -> None:
         self._engine = engine
         self.node = node
+        self._insert = postgresql.insert if engine.dialect.name == "postgresql" else sqlite.insert
 
     def _identity(self, run_id: str, spec: ProbeSpec) -> dict[str, Any]:
         return {
@@ -59,51 +90,91 @@ class ProbeRunWriter:
             "optimization": spec.optimization,
         }
 
-    def start(self, run_id: str, spec: ProbeSpec, started_at: float) -> None:
-        values = self._identity(run_id, spec) | {
+    def start_payload(self, run_id: str, spec: ProbeSpec, started_at: float) -> dict[str, Any]:
+        return self._identity(run_id, spec) | {
             "outcome": "running",
             "reason": "",
-            "started_at": _time(started_at),
+            "started_at": started_at,
             "duration_seconds": 0.0,
             "iterations": 0,
             "stderr_tail": "",
         }
-        self._execute("record the start of a probe in", insert(ProbeRunRecord).values(values))
+
+    def finish_payload(
+        self,
+        run: ProbeRun,
+        *,
+        analysis: RunAnalysis | None = None,
+        stack_id: str | None = None,
+    ) -> dict[str, Any]:
+        """The whole row (identity included: a skipped run never had a start) and the series."""
+        manifest = run.manifest or {}
+        device_model = manifest.get("device_name")
+        values = (
+            self._identity(run.id, run.spec)
+            | _analysis_values(analysis)
+            | {
+                "outcome": run.outcome,
+                "reason": run.reason,
+                "started_at": run.started_at,
+                "ended_at": run.ended_at,
+                "duration_seconds": run.ended_at - run.started_at,
+                "iterations": len(run.iterations),
+                "throughput": run.throughput,
+                "unit": manifest.get("unit"),
+                "exit_code": run.exit_code,
+                "manifest": None if run.manifest is None else json.dumps(manifest, sort_keys=True),
+                "result": None if run.result is None else json.dumps(run.result, sort_keys=True),
+                "stderr_tail": run.stderr_tail,
+                "stack_id": stack_id,
+                "device_model": None if device_model is None else str(device_model)[:128],
+            }
+        )
+        series = [[i.index, i.start, i.end, i.work, i.phase] for i in run.iterations]
+        return {"run": values, "series": series}
+
+    def apply(self, connection: Connection, kind: str, payload: dict[str, Any]) -> None:
+        """Store a "probe_start" or "probe_finish" payload in ``connection``'s transaction."""
+        if kind == "probe_start":
+            values = _with_times(payload)
+            connection.execute(
+                self._insert(ProbeRunRecord)
+                .values(values)
+                .on_conflict_do_nothing(index_elements=["run_id"])
+            )
+            return
+        values = _with_times(payload["run"])
+        changed = {name: value for name, value in values.items() if name != "run_id"}
+        connection.execute(
+            self._insert(ProbeRunRecord)
+            .values(values)
+            .on_conflict_do_update(index_elements=["run_id"], set_=changed)
+        )
+        if payload["series"]:
+            connection.execute(
+                self._insert(ProbeSeriesRecord)
+                .values(run_id=values["run_id"], iterations=json.dumps(payload["series"]))
+                .on_conflict_do_nothing(index_elements=["run_id"])
+            )
+
+    def start(self, run_id: str, spec: ProbeSpec, started_at: float) -> None:
+        """Write the start now (no spool): for tools and tests."""
+        self._apply("probe_start", self.start_payload(run_id, spec, started_at))
 
     def finish(
-        self, run: ProbeRun, *, started: bool = True, analysis: RunAnalysis | None = None
+        self,
+        run: ProbeRun,
+        *,
+        analysis: RunAnalysis | None = None,
+        stack_id: str | None = None,
     ) -> None:
-        """Complete the run's row (insert it whole for a run that never started: skipped)."""
-        manifest = run.manifest or {}
-        values = _analysis_values(analysis) | {
-            "outcome": run.outcome,
-            "reason": run.reason,
-            "started_at": _time(run.started_at),
-            "ended_at": _time(run.ended_at),
-            "duration_seconds": run.ended_at - run.started_at,
-            "iterations": len(run.iterations),
-            "throughput": run.throughput,
-            "unit": manifest.get("unit"),
-            "exit_code": run.exit_code,
-            "manifest": None if run.manifest is None else json.dumps(run.manifest, sort_keys=True),
-            "result": None if run.result is None else json.dumps(run.result, sort_keys=True),
-            "stderr_tail": run.stderr_tail,
-        }
-        series = json.dumps([[i.index, i.start, i.end, i.work, i.phase] for i in run.iterations])
+        """Write the end now (no spool): for tools and tests."""
+        self._apply("probe_finish", self.finish_payload(run, analysis=analysis, stack_id=stack_id))
+
+    def _apply(self, kind: str, payload: dict[str, Any]) -> None:
         try:
             with self._engine.begin() as connection:
-                if started:
-                    connection.execute(
-                        update(ProbeRunRecord).where(ProbeRunRecord.run_id == run.id).values(values)
-                    )
-                else:
-                    connection.execute(
-                        insert(ProbeRunRecord).values(self._identity(run.id, run.spec) | values)
-                    )
-                if run.iterations:
-                    connection.execute(
-                        insert(ProbeSeriesRecord).values(run_id=run.id, iterations=series)
-                    )
+                self.apply(connection, kind, payload)
         except SQLAlchemyError as exc:
             raise archive_error("record a probe run in", self._engine, exc) from exc
 
@@ -120,9 +191,10 @@ class ProbeRunWriter:
         except SQLAlchemyError as exc:
             raise archive_error("mark aborted probe runs in", self._engine, exc) from exc
 
-    def _execute(self, action: str, statement: Any) -> None:
-        try:
-            with self._engine.begin() as connection:
-                connection.execute(statement)
-        except SQLAlchemyError as exc:
-            raise archive_error(action, self._engine, exc) from exc
+
+def _with_times(values: dict[str, Any]) -> dict[str, Any]:
+    """Payload timestamps (Unix seconds, as JSON keeps them) as the aware datetimes of the model."""
+    return {
+        name: _time(value) if name in ("started_at", "ended_at") and value is not None else value
+        for name, value in values.items()
+    }

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy import Engine, delete
+from sqlalchemy import Connection, Engine, delete
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import SQLAlchemyError
 
@@ -56,14 +56,19 @@ class RollupWriter:
         """Store ``rows`` all or nothing; return how many were new (0 for a repeated batch)."""
         if not rows:
             return 0
-        values = [self._values(row) for row in rows]
         try:
             with self._engine.begin() as connection:
-                # RETURNING yields only the rows inserted, whereas rowcount is unreliable for
-                # executemany across drivers.
-                return len(connection.execute(self._insert, values).all())
+                return self.insert(connection, rows)
         except SQLAlchemyError as exc:
             raise archive_error("write rollups to", self._engine, exc) from exc
+
+    def insert(self, connection: Connection, rows: Sequence[RollupRow]) -> int:
+        """Store ``rows`` in ``connection``'s transaction; return how many were new."""
+        if not rows:
+            return 0
+        # RETURNING yields only the rows inserted, whereas rowcount is unreliable for
+        # executemany across drivers.
+        return len(connection.execute(self._insert, [self._values(row) for row in rows]).all())
 
     def delete_older_than(self, cutoff: datetime) -> int:
         """Delete this node's rollups of periods that started before ``cutoff`` (an aware time).

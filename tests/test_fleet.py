@@ -1,0 +1,242 @@
+"""Acceptance 1 of the fleet archive: a generated fleet history in PostgreSQL, read back through
+the real `sustain drift` and `sustain capacity` commands.
+
+20 nodes x 8 H100s, 60 hourly bf16 and fp32 matmul results each (1% noise). Nodes 0-9 get a driver
+upgrade after result 30 that lowers bf16 (only) by 8%; node-15's GPU 3 degrades thermally by 12%
+from result 40 on, without a stack change (clocks down, thermal throttling up, hotter). Drift
+detection must find exactly those 80 + 2 changes with the right causes, the degraded device must
+be the only fleet outlier, and the capacity medians must be numpy's over the same values.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import uuid
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import numpy as np
+import pytest
+from sqlalchemy import insert
+
+from agent.archive.database import open_engine, upgrade
+from agent.archive.models import EventRecord, ProbeRunRecord, StackSnapshotRecord
+from collectors.stack import StackSnapshot
+
+MODEL = "NVIDIA H100 80GB HBM3"
+NODES, DEVICES, RESULTS = 20, 8, 60
+UPGRADED = range(10)
+UPGRADE_AT, THERMAL_AT = 30, 40
+THERMAL_NODE, THERMAL_DEVICE = 15, 3
+BASE = {"bf16": 700e12, "fp32": 50e12}
+T0 = datetime(2026, 11, 1, tzinfo=UTC)
+
+
+def stack(driver: str) -> StackSnapshot:
+    return StackSnapshot(
+        {
+            "driver": {"version": driver, "cuda_version": "12.4", "nvml_version": "12." + driver},
+            "gpus": [{"model": MODEL, "vbios": "96.00.99.00.01"}] * DEVICES,
+            "torch": {"version": "2.5.1", "cuda": "12.4", "cudnn": 90100, "nccl": "2.21.5"},
+            "host": {"kernel": "6.8.0-45-generic", "python": "3.11.7"},
+        }
+    )
+
+
+OLD, NEW = stack("550.54.15"), stack("555.42.02")
+
+
+def fleet() -> tuple[list[dict[str, Any]], dict[str, list[float]]]:
+    rng = np.random.default_rng(20261122)
+    rows: list[dict[str, Any]] = []
+    values: dict[str, list[float]] = {"bf16": [], "fp32": []}
+    for node in range(NODES):
+        for device in range(DEVICES):
+            for index in range(RESULTS):
+                upgraded = node in UPGRADED and index >= UPGRADE_AT
+                hot = (node, device) == (THERMAL_NODE, THERMAL_DEVICE) and index >= THERMAL_AT
+                for precision, base in BASE.items():
+                    factor = 1.0
+                    if upgraded and precision == "bf16":
+                        factor *= 0.92
+                    if hot:
+                        factor *= 0.88
+                    steady = base * factor * (1 + 0.01 * rng.standard_normal())
+                    values[precision].append(steady)
+                    ended = T0 + timedelta(hours=index, minutes=node)
+                    rows.append(
+                        {
+                            "run_id": uuid.uuid4().hex,
+                            "node": f"node-{node:02d}",
+                            "device": f"GPU-{node:02d}-{device}",
+                            "device_label": str(device),
+                            "device_model": MODEL,
+                            "stack_id": (NEW if upgraded else OLD).id,
+                            "workload": "matmul",
+                            "precision": precision,
+                            "optimization": "eager",
+                            "outcome": "ok",
+                            "reason": "",
+                            "started_at": ended - timedelta(seconds=20),
+                            "ended_at": ended,
+                            "duration_seconds": 20.0,
+                            "iterations": 200,
+                            "throughput": steady,
+                            "unit": "FLOP/s",
+                            "stderr_tail": "",
+                            "classification": "steady",
+                            "peak_throughput": steady * 1.02,
+                            "steady_throughput": steady,
+                            "sustained_ratio": 1 / 1.02,
+                            "steady_sm_clock_hertz": (1.74e9 if hot else 1.98e9)
+                            * (1 + 0.002 * rng.standard_normal()),
+                            "steady_temperature_celsius": (87.0 if hot else 70.0)
+                            + rng.standard_normal(),
+                            "steady_power_watts": 690.0,
+                            "steady_thermal_share": 0.6 if hot else 0.0,
+                            "steady_power_share": 0.0,
+                        }
+                    )
+    return rows, values
+
+
+@pytest.fixture(scope="module")
+def fleet_url(postgres_admin: Any) -> Any:
+    from conftest import POSTGRES_SERVER  # noqa: PLC0415
+    from sqlalchemy import text  # noqa: PLC0415
+
+    name = f"sustain_fleet_{uuid.uuid4().hex[:12]}"
+    with postgres_admin.connect() as connection:
+        connection.execute(text(f'CREATE DATABASE "{name}"'))
+    url = f"{POSTGRES_SERVER}/{name}"
+    engine = open_engine(url)
+    upgrade(engine)
+    rows, values = fleet()
+    with engine.begin() as connection:
+        for snapshot, seen in ((OLD, T0), (NEW, T0 + timedelta(hours=UPGRADE_AT))):
+            connection.execute(
+                insert(StackSnapshotRecord).values(
+                    stack_id=snapshot.id,
+                    facts=snapshot.canonical_json(),
+                    driver_version=snapshot.facts["driver"]["version"],
+                    first_seen_at=seen,
+                )
+            )
+        for start in range(0, len(rows), 5000):
+            connection.execute(insert(ProbeRunRecord), rows[start : start + 5000])
+        connection.execute(
+            insert(EventRecord),
+            [
+                {
+                    "event_id": uuid.uuid4().hex,
+                    "node": f"node-{node:02d}",
+                    "device": "node",
+                    "kind": "stack_changed",
+                    "occurred_at": T0 + timedelta(hours=UPGRADE_AT),
+                    "message": "stack changed",
+                    "attributes": json.dumps(
+                        {"new": NEW.id, "old": OLD.id, "summary": "driver.version ..."}
+                    ),
+                }
+                for node in UPGRADED
+            ],
+        )
+    engine.dispose()
+    yield url, values
+    with postgres_admin.connect() as connection:
+        connection.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+
+
+def sustain(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "agent", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+
+
+def test_drift_finds_exactly_the_upgrade_and_the_thermal_device(fleet_url: Any) -> None:
+    url, _ = fleet_url
+    done = sustain("drift", "--database", url, "--json")
+    assert done.returncode == 0, done.stderr
+    answer = json.loads(done.stdout)
+    drifts = answer["drifts"]
+    stack_changes = [d for d in drifts if d["cause"] == "stack"]
+    thermal = [d for d in drifts if d["cause"] == "thermal"]
+    assert len(drifts) == len(stack_changes) + len(thermal) == 80 + 2
+    upgraded = {(f"node-{n:02d}", f"GPU-{n:02d}-{d}") for n in UPGRADED for d in range(DEVICES)}
+    assert {(d["node"], d["device"]) for d in stack_changes} == upgraded
+    for drift in stack_changes:
+        assert drift["precision"] == "bf16"
+        assert drift["direction"] == "regression"
+        assert drift["change"] == pytest.approx(-0.08, abs=0.01)
+        first_after = T0 + timedelta(hours=UPGRADE_AT, minutes=int(drift["node"][5:]))
+        assert datetime.fromisoformat(drift["at"]) == first_after
+        assert "driver.version 550.54.15 -> 555.42.02" in drift["explanation"]
+        assert (drift["stack_before"], drift["stack_after"]) == (OLD.id, NEW.id)
+    hot = f"GPU-{THERMAL_NODE}-{THERMAL_DEVICE}"
+    assert sorted((d["device"], d["precision"]) for d in thermal) == [
+        (hot, "bf16"),
+        (hot, "fp32"),
+    ]
+    for drift in thermal:
+        assert drift["change"] == pytest.approx(-0.12, abs=0.01)
+        assert "thermal throttling 0% -> 60%" in drift["explanation"]
+        assert drift["stack_before"] == drift["stack_after"] == OLD.id
+    outliers = answer["outliers"]
+    assert sorted((o["device"], o["precision"]) for o in outliers) == [
+        (hot, "bf16"),
+        (hot, "fp32"),
+    ]
+    assert all(o["ratio"] == pytest.approx(0.88, abs=0.015) for o in outliers)
+
+
+def test_drift_since_and_node_narrow_the_report(fleet_url: Any) -> None:
+    url, _ = fleet_url
+    later = (T0 + timedelta(hours=THERMAL_AT - 1)).isoformat()
+    done = sustain("drift", "--database", url, "--since", later, "--json")
+    assert done.returncode == 0, done.stderr
+    assert {d["cause"] for d in json.loads(done.stdout)["drifts"]} == {"thermal"}
+    done = sustain("drift", "--database", url, "--node", "node-03")
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0] == "8 change(s) in sustained throughput"
+    assert all("stack" in line and "driver.version" in line for line in lines[1:9])
+    assert lines[9].startswith("0 fleet outlier(s)")
+
+
+def test_capacity_by_model_matches_the_expected_medians(fleet_url: Any) -> None:
+    url, values = fleet_url
+    done = sustain("capacity", "--database", url, "--by", "model", "--precision", "bf16", "--json")
+    assert done.returncode == 0, done.stderr
+    (row,) = json.loads(done.stdout)
+    assert row["group"] == MODEL
+    assert row["results"] == NODES * DEVICES * RESULTS
+    assert row["devices"] == NODES * DEVICES
+    assert row["median"] == pytest.approx(float(np.median(values["bf16"])), rel=1e-9)
+    assert row["p10"] == pytest.approx(float(np.percentile(values["bf16"], 10)), rel=1e-9)
+    # A quarter of the bf16 results run 8% slower after the upgrade: the median sits just under
+    # the healthy level, the p10 among the upgraded results.
+    assert 0.97 * BASE["bf16"] < row["median"] < BASE["bf16"]
+    assert row["p10"] == pytest.approx(0.92 * BASE["bf16"], rel=0.02)
+    done = sustain("capacity", "--database", url, "--by", "stack", "--precision", "bf16")
+    assert done.returncode == 0, done.stderr
+    assert OLD.id[:12] in done.stdout and NEW.id[:12] in done.stdout
+
+
+def test_stack_history_and_diff_from_the_fleet_archive(fleet_url: Any) -> None:
+    url, _ = fleet_url
+    done = sustain("stack", "history", "--database", url, "--node", "node-02")
+    assert done.returncode == 0, done.stderr
+    assert f"node-02  {OLD.id[:12]} -> {NEW.id[:12]}" in done.stdout
+    done = sustain("stack", "diff", OLD.id[:8], NEW.id[:8], "--database", url)
+    assert done.returncode == 0, done.stderr
+    assert "driver.version: 550.54.15 -> 555.42.02" in done.stdout
+    assert "driver.nvml_version: 12.550.54.15 -> 12.555.42.02" in done.stdout
+    done = sustain("stack", "diff", "ffff", NEW.id, "--database", url)
+    assert done.returncode == 2
+    assert done.stderr.strip() == "sustain: error: no stack ffff in the archive"
