@@ -495,3 +495,23 @@ def test_the_daemon_runs_its_plan_and_archives_the_runs(tmp_path: Path) -> None:
     assert classification in ("flat", "warmup", "slowdown", "no_steady_state")
     assert peak > 1e8
     assert "attribution" in json.loads(analysis)
+    # Issue 6: the run names its stack, the stack is archived once, and exported.
+    engine = open_engine(f"sqlite:///{tmp_path}/sustain.db")
+    try:
+        with engine.connect() as connection:
+            stack_id, model = connection.execute(
+                text("SELECT stack_id, device_model FROM probe_runs")
+            ).one()
+            facts = connection.execute(
+                text("SELECT facts FROM stack_snapshots WHERE stack_id = :id"), {"id": stack_id}
+            ).scalar_one()
+            changes = connection.execute(
+                text("SELECT attributes FROM events WHERE kind = 'stack_changed'")
+            ).all()
+    finally:
+        engine.dispose()
+    assert len(stack_id) == 64
+    assert model  # torch's name for the CPU device
+    assert json.loads(facts)["torch"]["version"].startswith("2.")
+    assert [json.loads(row[0])["new"] for row in changes] == [stack_id]
+    assert f'stack_id="{stack_id}"' in body

@@ -3,13 +3,20 @@ from a procfs fixture tree, torch facts as the probe child reports them."""
 
 from __future__ import annotations
 
+import json
+import os
 import shutil
+import subprocess
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import start_agent
+from sqlalchemy import text
 
+from agent.archive.database import open_engine
 from collectors.nvml import NvmlLibrary
 from collectors.stack import StackSnapshot, capture, describe_diff, diff
 
@@ -185,3 +192,52 @@ def test_secrets_never_enter(take: Callable[..., StackSnapshot]) -> None:
     text = snapshot.canonical_json()
     for secret in ("hunter2", "hf_tok_abc123", "nccl-key-xyz", "s3cr3t-value", "postgresql"):
         assert secret not in text
+
+
+SECRETS = {
+    "CUDA_API_TOKEN": "tok-4f1c9e2a77",  # allow-listed prefix, credential-like name
+    "NCCL_IB_PASSWORD": "pw-8d0b3c51e6",
+    "TORCH_HUB_SECRET_KEY": "sk-93aa71d0c2",
+    "CUDA_CACHE_URL": "postgresql://cache:pw-6e2f0b9d14@db.internal/cache",  # a URL with a password
+}
+
+
+def test_credentials_never_reach_snapshot_archive_or_metrics(tmp_path: Path) -> None:
+    """Acceptance 4: a real agent with credential-like allow-listed variables in its
+    environment; none of their values is in /metrics, the archive, the spool or `stack show`."""
+    env = {**SECRETS, "CUDA_CACHE_MAXSIZE": "4294967296"}
+    running = start_agent(tmp_path, env=env)
+    try:
+        body = running.wait_for("sustain_stack_info{", timeout=120)
+    finally:
+        code, _, err = running.terminate()
+    assert code == 0, err
+    shown = subprocess.run(
+        [sys.executable, "-m", "agent", "stack", "show", "--json"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **env},
+        timeout=120,
+        check=True,
+    ).stdout
+    archived = b"".join(path.read_bytes() for path in tmp_path.glob("*.db*"))
+    engine = open_engine(f"sqlite:///{tmp_path}/sustain.db")
+    try:
+        with engine.connect() as connection:
+            (facts,) = connection.execute(text("SELECT facts FROM stack_snapshots")).one()
+    finally:
+        engine.dispose()
+    # The allow-list works (a harmless variable is recorded) ...
+    assert json.loads(facts)["environment"] == {"CUDA_CACHE_MAXSIZE": "4294967296"}
+    assert json.loads(shown)["facts"]["environment"] == {"CUDA_CACHE_MAXSIZE": "4294967296"}
+    # ... and no secret is anywhere: not by name, not by value.
+    for name, value in SECRETS.items():
+        secret = value.split(":pw-")[-1] if "://" in value else value
+        for where, haystack in (
+            ("/metrics", body),
+            ("stack show", shown),
+            ("the agent's log", err),
+            ("the archive files", archived.decode("latin-1")),
+        ):
+            assert secret not in haystack, f"{name}'s value in {where}"
+            assert name not in haystack, f"{name} in {where}"

@@ -1,0 +1,150 @@
+"""Acceptance 2 of the fleet archive: 8 agents (real `sustain run` processes) write to one
+PostgreSQL database at once for 60 s: rollups every 10 s, probe runs, the same stack snapshot,
+their events. No errors, no duplicates, nothing missing."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+from conftest import fetch, free_port
+from prometheus_client.parser import text_string_to_metric_families
+from sqlalchemy import create_engine, text
+
+from agent.archive.database import open_engine, upgrade
+
+AGENTS = 8
+SECONDS = 60
+
+
+def counter(body: str, name: str) -> float:
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(body)
+        for sample in family.samples
+        if sample.name == name
+    )
+
+
+def test_eight_agents_write_one_database_at_once(postgres_url: str, tmp_path: Path) -> None:
+    engine = open_engine(postgres_url)
+    upgrade(engine)
+    engine.dispose()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SUSTAIN_", "FAKENVML_"))}
+    agents = []
+    for index in range(AGENTS):
+        home = tmp_path / f"agent-{index}"
+        home.mkdir()
+        config = home / "sustain.toml"
+        # Probes are staggered and small: 8 agents share this machine's 2 cores.
+        config.write_text(
+            textwrap.dedent(
+                f"""
+                [agent]
+                node = "fleet-{index}"
+                [archive]
+                database_url = "{postgres_url}"
+                rollup_seconds = 10
+                [probing]
+                initial_delay_seconds = {3 + 3 * index}
+                duty_cycle = 1.0
+                busy_cpu_utilization = 1.0
+                [[probing.plan]]
+                workload = "matmul"
+                precisions = ["fp32"]
+                duration_seconds = 1
+                size = "small"
+                interval_seconds = 25
+                jitter_seconds = 0
+                [drift]
+                enabled = false
+                """
+            )
+        )
+        port = free_port()
+        log = (home / "agent.log").open("w")
+        process = subprocess.Popen(
+            [sys.executable, "-m", "agent", "run", "--config", str(config),
+             "--listen", f"127.0.0.1:{port}", "--data-dir", str(home)],
+            stdout=subprocess.DEVNULL, stderr=log, env=env,
+        )  # fmt: skip
+        agents.append((process, port, home, log))
+    bodies = []
+    try:
+        time.sleep(SECONDS)
+        for process, port, home, _ in agents:
+            assert process.poll() is None, (home / "agent.log").read_text()
+            bodies.append(fetch(f"http://127.0.0.1:{port}/metrics", timeout=10)[1])
+        for process, *_ in agents:
+            process.send_signal(signal.SIGTERM)
+        codes = [process.wait(timeout=60) for process, *_ in agents]
+    finally:
+        for process, _, _, log in agents:
+            if process.poll() is None:
+                process.kill()
+            log.close()
+    assert codes == [0] * AGENTS
+    for (_, _, home, _), body in zip(agents, bodies, strict=True):
+        text_log = (home / "agent.log").read_text()
+        assert " ERROR " not in text_log, text_log
+        assert "Traceback" not in text_log, text_log
+        assert counter(body, "sustain_archive_write_errors_total") == 0
+        assert counter(body, "sustain_archive_spool_rejected_total") == 0
+    checker = create_engine(postgres_url)
+    try:
+        with checker.connect() as connection:
+            for index, (_, _, home, _) in enumerate(agents):
+                node = f"fleet-{index}"
+                periods = (
+                    connection.execute(
+                        text(
+                            "SELECT period_start FROM telemetry_rollups WHERE node = :node AND "
+                            "field = 'cpu_utilization_ratio' ORDER BY period_start"
+                        ),
+                        {"node": node},
+                    )
+                    .scalars()
+                    .all()
+                )
+                assert len(periods) >= 4, node
+                steps = {(b - a).total_seconds() for a, b in itertools.pairwise(periods)}
+                assert steps == {10.0}, (node, periods)  # no gap, no period twice
+                logged = sum(
+                    1
+                    for line in (home / "agent.log").read_text().splitlines()
+                    if "probe matmul" in line and " ok: " in line and "iterations" in line
+                )
+                runs = (
+                    connection.execute(
+                        text("SELECT outcome FROM probe_runs WHERE node = :node"), {"node": node}
+                    )
+                    .scalars()
+                    .all()
+                )
+                assert logged >= 1, node
+                # A probe still running at SIGTERM is recorded as aborted, as it should be.
+                assert runs.count("ok") == logged, node
+                assert set(runs) <= {"ok", "aborted"}, node
+                assert runs.count("aborted") <= 1, node
+            stacks = connection.execute(text("SELECT COUNT(*) FROM stack_snapshots")).scalar_one()
+            changes = connection.execute(
+                text("SELECT node, COUNT(*) FROM events WHERE kind = 'stack_changed' GROUP BY node")
+            ).all()
+            duplicates = connection.execute(
+                text(
+                    "SELECT COUNT(*) FROM (SELECT node, collector, device, field, labels, "
+                    "period_start FROM telemetry_rollups GROUP BY 1, 2, 3, 4, 5, 6 "
+                    "HAVING COUNT(*) > 1) AS d"
+                )
+            ).scalar_one()
+    finally:
+        checker.dispose()
+    assert stacks == 1  # the same stack, written by 8 agents at once, stored once
+    assert sorted(changes) == [(f"fleet-{i}", 1) for i in range(AGENTS)]
+    assert duplicates == 0
