@@ -24,7 +24,7 @@ from agent import __version__
 from agent.archive.sink import ArchiveStatus
 from agent.buffers import TelemetryStore
 from agent.drift_job import DriftStatus, drift_families
-from agent.probing import ProbeStatus
+from agent.probing import LATENCY_QUANTILES, ProbeStatus
 from agent.sampler import LoopStatus
 from agent.stacks import INFO_LABELS, StackStatus
 from collectors.base import Field, Reading
@@ -171,8 +171,15 @@ def _probe_result_families(status: ProbeStatus) -> Iterator[Metric]:
         "Work done per joule over the latest run (work_unit: flop, byte, token).",
         labels=[*_PROBE_LABELS, "work_unit"],
     )
+    latency = GaugeMetricFamily(
+        "sustain_probe_latency_seconds",
+        "Per-token decode latency of the latest inference run, by quantile (0.5, 0.9, 0.99).",
+        labels=[*_PROBE_LABELS, "quantile"],
+    )
     for key, result in sorted(status.results.items()):
         labels = list(key)
+        for name, seconds in sorted(result.latency_seconds.items()):
+            latency.add_metric([*labels, LATENCY_QUANTILES[name]], seconds)
         figures = result.analysis.figures
         for stat in ("peak", "steady"):
             value = figures.get(f"{stat}_throughput")
@@ -192,7 +199,7 @@ def _probe_result_families(status: ProbeStatus) -> Iterator[Metric]:
                 share.add_metric([*labels, reason], value)
         if attribution.work_per_joule is not None:
             efficiency.add_metric([*labels, result.work_unit], attribution.work_per_joule)
-    yield from (throughput, ratio, warmup, classification, cause, share, efficiency)
+    yield from (throughput, ratio, warmup, classification, cause, share, efficiency, latency)
 
 
 def _label_values(field: Field, labels: tuple[tuple[str, str], ...]) -> list[str]:

@@ -18,7 +18,7 @@ import threading
 import time
 from collections import Counter, deque
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from typing import Protocol
 
@@ -38,6 +38,7 @@ log = logging.getLogger(__name__)
 
 DUTY_WINDOW_SECONDS = 3600.0
 BUSY_WINDOW_SECONDS = 60.0
+LATENCY_QUANTILES = {"p50": "0.5", "p90": "0.9", "p99": "0.99"}
 CAPTURE_LIMIT = 200_000  # samples per probe: 10 Hz x 9 GPUs + host for over half an hour
 
 
@@ -106,6 +107,7 @@ class ProbeResult:
     unit: str
     work_unit: str
     analysis: RunAnalysis
+    latency_seconds: dict[str, float] = field(default_factory=dict)  # p50, p90, p99 (inference)
 
 
 @dataclass(frozen=True, slots=True)
@@ -376,10 +378,16 @@ class ProbeScheduler:
             self._runs[(*key, run.outcome)] += 1
             if analysis is not None:
                 manifest = run.manifest or {}
+                latency = (run.result or {}).get("latency_seconds") or {}
                 self._results[key] = ProbeResult(
                     unit=str(manifest.get("unit", "")),
                     work_unit=str(manifest.get("work_unit", "")),
                     analysis=analysis,
+                    latency_seconds={
+                        name: float(value)
+                        for name, value in latency.items()
+                        if name in LATENCY_QUANTILES and isinstance(value, int | float)
+                    },
                 )
             if run.outcome != "skipped":
                 self._last_run[key] = run.ended_at

@@ -10,9 +10,12 @@ import sys
 import threading
 
 import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 
 from agent.buffers import TelemetryStore
 from agent.config import ProbingSection
+from agent.exposition import AgentMetrics
 from agent.probes import CPU, ProbeRun, ProbeRunner, ProbeSpec
 from agent.probing import ProbeScheduler, TelemetryCapture
 from agent.sampler import SamplerLoop
@@ -112,3 +115,27 @@ def test_live_cpu_probe_slowed_by_a_competing_process_is_not_clock_bound() -> No
     attribution = result.analysis.attribution
     assert attribution.cause == "not_clock_bound", attribution.reason
     assert len(run.telemetry) > 50  # the host at ~10 Hz while the probe ran
+
+
+def test_inference_probe_exports_its_latency_percentiles() -> None:
+    """A real CPU inference probe through the scheduler: the decode latency quantiles of its
+    result line reach /metrics as sustain_probe_latency_seconds."""
+    store = TelemetryStore(1024)
+    capture = TelemetryCapture()
+    loop = SamplerLoop(HostCollector(), 1.0, sinks=(store.record, capture.record), stall_seconds=30)
+    scheduler = ProbeScheduler(
+        ProbingSection(duty_cycle=1.0), ProbeRunner(), store, capture, (loop,), 1.0
+    )
+    run = scheduler.run_one(ProbeSpec("inference", "fp32", "eager", 3.0, CPU, "small"), force=True)
+    assert run.outcome == "ok", run.reason
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(AgentMetrics(store, {}, lambda: [], 15.0, probes=scheduler.status))
+    quantiles = {
+        sample.labels["quantile"]: sample.value
+        for family in text_string_to_metric_families(generate_latest(registry).decode())
+        if family.name == "sustain_probe_latency_seconds"
+        for sample in family.samples
+    }
+    assert sorted(quantiles) == ["0.5", "0.9", "0.99"]
+    assert 0 < quantiles["0.5"] <= quantiles["0.9"] <= quantiles["0.99"]
+    assert quantiles["0.5"] == pytest.approx(run.result["latency_seconds"]["p50"])  # type: ignore[index]
