@@ -5,6 +5,22 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+# System tools the tests run for real: promtool and the Prometheus server (rules, dashboards, the
+# end-to-end scrape), shellcheck (the container entrypoint), initdb/pg_ctl (a private PostgreSQL
+# instance that a test stops and starts; PostgreSQL's own package provides them).
+missing=()
+command -v promtool >/dev/null || missing+=(prometheus)
+command -v shellcheck >/dev/null || missing+=(shellcheck)
+if [ "${#missing[@]}" -gt 0 ]; then
+  if [ "$(id -u)" -eq 0 ]; then
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+  else
+    echo "tests/run.sh: install ${missing[*]} (Debian packages) first" >&2
+    exit 1
+  fi
+fi
+
 python3 -m venv .venv
 # torch is pinned to the CPU build here; the project itself accepts any torch >= 2.3.
 .venv/bin/python -m pip install --quiet --disable-pip-version-check torch==2.13.0 -e '.[dev]'
