@@ -214,7 +214,8 @@ class Agent:
                 id="drift",
                 max_instances=1,
                 coalesce=True,
-                next_run_time=datetime.now(UTC) + timedelta(seconds=60),
+                next_run_time=datetime.now(UTC)
+                + timedelta(seconds=min(60.0, settings.drift.interval_seconds)),
             )
         if settings.probing.enabled:
             self.probes.schedule(scheduler)

@@ -1420,14 +1420,23 @@ def probes() -> Json:
     board.add(
         state_timeline(
             "Slowdown cause over time",
-            "For runs classified slowdown: what the telemetry of the run blames.",
+            "For runs classified slowdown: what the telemetry of the run blames; "
+            "'no slowdown' for the others.",
             [
                 Q(
-                    coded("sustain_probe_slowdown_cause", PROBE, "cause", SLOWDOWN_CAUSES),
+                    coded("sustain_probe_slowdown_cause", PROBE, "cause", SLOWDOWN_CAUSES)
+                    + f" or max without (classification) (sustain_probe_classification{{{PROBE}}})"
+                    " * 0 - 1",
                     PROBE_LEGEND,
                 )
             ],
-            mappings=coded_map(SLOWDOWN_CAUSES, CAUSE_COLORS),
+            mappings=value_map(
+                {"-1": ("no slowdown", "green")}
+                | {
+                    str(i): (v, c)
+                    for i, (v, c) in enumerate(zip(SLOWDOWN_CAUSES, CAUSE_COLORS, strict=True))
+                }
+            ),
         ),
         12,
         8,
@@ -1655,9 +1664,12 @@ def fleet() -> Json:
     board.add(
         table(
             "Agents not answering",
-            "Targets whose last scrape failed.",
-            [Q(f"up{{{job}}} == 0")],
-            columns={"instance": "Node", "job": "Job"},
+            "Every sustain target with its last scrape: 0 = not answering (those sort first), "
+            "1 = answering.",
+            [Q(f"sort(up{{{job}}})")],
+            columns={"instance": "Node", "job": "Job", "Value": "Answering (1) or not (0)"},
+            sort_by="Answering (1) or not (0)",
+            descending=False,
         ),
         12,
         6,

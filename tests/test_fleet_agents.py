@@ -112,7 +112,7 @@ def test_eight_agents_write_one_database_at_once(postgres_url: str, tmp_path: Pa
                     .scalars()
                     .all()
                 )
-                assert len(periods) >= 4, node
+                assert len(periods) >= 3, node  # whole periods; start-up takes a few s
                 steps = {(b - a).total_seconds() for a, b in itertools.pairwise(periods)}
                 assert steps == {10.0}, (node, periods)  # no gap, no period twice
                 logged = sum(

@@ -1,0 +1,323 @@
+"""Acceptance 1 of issue 7: the real Prometheus server on 127.0.0.1 scrapes a `sustain run` that
+uses the fake NVML driver (two H100s, GPU 1 in HW thermal slowdown throughout) and probes on short
+intervals; then every PromQL expression of every dashboard panel and every recording rule returns
+data through Prometheus' HTTP API, and the thermal alert is pending or firing for GPU 1 only.
+
+The probes target the fake GPUs, so the agent's GPU code path runs (device locks, the GPU named
+by UUID, labels, the analysis with the GPU's telemetry); the probe interpreter is a wrapper that
+runs the real workloads on the CPU (`--device cuda:N` becomes `--device cpu`), since there is no
+GPU here. The archive is seeded with a fleet history of bf16 matmul results (a stack change and a
+thermally degraded device, with peers on other nodes), so the drift child the daemon starts
+finds changes and outliers to export. This VM has no hwmon, cpufreq or RAPL: the host collector
+reads them from the fixture sysfs tree (procfs is the real one). Rule groups are evaluated every
+second here (a copy of the rules file with the group intervals rewritten), so the 5-minute
+baseline group answers within the test.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+import time
+import urllib.parse
+import uuid
+from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from conftest import fetch, free_port
+from sqlalchemy import insert
+
+from agent.archive.database import open_engine, upgrade
+from agent.archive.models import ProbeRunRecord, StackSnapshotRecord
+from collectors.stack import StackSnapshot
+
+ROOT = Path(__file__).resolve().parent.parent
+RULES = ROOT / "deploy" / "prometheus" / "rules.yml"
+UUID0 = "GPU-00000000-1111-2222-3333-444444444444"
+UUID1 = "GPU-55555555-6666-7777-8888-999999999999"
+MODEL = "NVIDIA H100 80GB HBM3"
+NODE = "e2e-node"
+
+SCENARIO = (
+    f"""
+set driver_version 550.54.15
+set nvml_version 12.550.54.15
+set cuda_driver_version 12040
+device 0 name "{MODEL}" uuid {UUID0} serial 1650000000001 pci_bus_id 00000000:18:00.0
+device 1 name "{MODEL}" uuid {UUID1} serial 1650000000002 pci_bus_id 00000000:2A:00.0
+"""
+    + "".join(
+        f"""
+device {d} memory_total_bytes 85899345920 memory_reserved_bytes 553648128
+device {d} max_sm_clock_mhz 1980 max_mem_clock_mhz 2619 max_graphics_clock_mhz 1985
+device {d} power_limit_mw 700000 slowdown_temp_c 87 shutdown_temp_c 92
+device {d} max_pcie_gen 5 max_pcie_width 16 gpm_supported 1 energy_mj 5000000
+at 0 {d} mem_clock_mhz 2619 power_mw 350000 mem_temp_c 70 gpu_util_pct 90 mem_util_pct 40
+at 0 {d} memory_used_bytes 1073741824 pcie_gen 4 pcie_width 8 pcie_tx_kbps 1000 pcie_rx_kbps 2000
+at 0 {d} fan_pct 55 pstate 2 ecc_corrected 12 ecc_uncorrected 1
+at 0 {d} remapped_corrected 3 remapped_uncorrected 1 remapped_pending 1 remapped_failure 0
+at 0 {d} gpm_dram_bw_util_pct 55 gpm_sm_occupancy_pct 45 gpm_tensor_util_pct 60
+"""
+        for d in (0, 1)
+    )
+    + """
+at 0 0 sm_clock_mhz 1410 graphics_clock_mhz 1405 gpu_temp_c 65 reasons 0x0
+at 0 1 sm_clock_mhz 1100 graphics_clock_mhz 1095 gpu_temp_c 88 reasons 0x40
+at 30 1 ecc_uncorrected 2
+xid 0 5 79
+xid 1 6 13
+"""
+)
+
+# The probe interpreter: the real workloads, on the CPU instead of the GPU they were given.
+WRAPPER = """#!{python}
+import os, sys
+args = ["cpu" if arg.startswith("cuda") else arg for arg in sys.argv[1:]]
+os.execv({python!r}, [{python!r}, *args])
+"""
+
+
+def stack(driver: str) -> StackSnapshot:
+    return StackSnapshot({"driver": {"version": driver}, "gpus": [{"model": MODEL}] * 2})
+
+
+def seed(url: str) -> None:
+    """60 hourly bf16 matmul results per device: this node's two GPUs and three peer nodes'.
+    All get a driver upgrade at result 30 (-8%); this node's GPU 1 degrades thermally at 45."""
+    old, new = stack("550.54.15"), stack("555.42.02")
+    rows = []
+    start = datetime.now(UTC) - timedelta(hours=61)
+    nodes = [(NODE, UUID0, "0"), (NODE, UUID1, "1")] + [
+        (f"peer-{n}", f"GPU-peer-{n}-{d}", str(d)) for n in range(3) for d in range(2)
+    ]
+    for node, device, label in nodes:
+        for index in range(60):
+            hot = device == UUID1 and index >= 45
+            steady = 700e12 * (0.92 if index >= 30 else 1.0) * (0.88 if hot else 1.0)
+            steady *= 1 + 0.005 * ((index * 7919 + hash(device)) % 7 - 3) / 3
+            ended = start + timedelta(hours=index)
+            rows.append(
+                {
+                    "run_id": uuid.uuid4().hex,
+                    "node": node,
+                    "device": device,
+                    "device_label": label,
+                    "device_model": MODEL,
+                    "stack_id": (new if index >= 30 else old).id,
+                    "workload": "matmul",
+                    "precision": "bf16",
+                    "optimization": "eager",
+                    "outcome": "ok",
+                    "reason": "",
+                    "started_at": ended - timedelta(seconds=20),
+                    "ended_at": ended,
+                    "duration_seconds": 20.0,
+                    "iterations": 100,
+                    "stderr_tail": "",
+                    "unit": "FLOP/s",
+                    "steady_throughput": steady,
+                    "steady_sm_clock_hertz": 1.1e9 if hot else 1.41e9,
+                    "steady_thermal_share": 1.0 if hot else 0.0,
+                }
+            )
+    engine = open_engine(url)
+    try:
+        upgrade(engine)
+        with engine.begin() as connection:
+            for snapshot in (old, new):
+                connection.execute(
+                    insert(StackSnapshotRecord).values(
+                        stack_id=snapshot.id, facts=snapshot.canonical_json(), first_seen_at=start
+                    )
+                )
+            connection.execute(insert(ProbeRunRecord), rows)
+    finally:
+        engine.dispose()
+
+
+def rules_every_second(path: Path) -> None:
+    rules = yaml.safe_load(RULES.read_text())
+    for group in rules["groups"]:
+        group["interval"] = "1s"
+    path.write_text(yaml.safe_dump(rules, sort_keys=False))
+
+
+def api(base: str, path: str, **params: str) -> Any:
+    query = urllib.parse.urlencode(params)
+    status, body = fetch(f"{base}/api/v1/{path}?{query}", timeout=10)
+    assert status == 200, body
+    answer = json.loads(body)
+    assert answer["status"] == "success", answer
+    return answer["data"]
+
+
+def load_queries() -> list[tuple[str, str, str]]:
+    spec = importlib.util.spec_from_file_location(
+        "grafana_queries", ROOT / "grafana" / "queries.py"
+    )
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return list(module.dashboard_queries())
+
+
+@pytest.fixture
+def stack_running(fake_nvml: Path, tmp_path: Path) -> Iterator[tuple[str, Path]]:
+    """The agent and Prometheus, running; yields Prometheus' base URL and the data directory."""
+    prometheus = shutil.which("prometheus")
+    if prometheus is None:
+        pytest.fail("the Prometheus server is needed (Debian package 'prometheus')")
+    data = tmp_path / "agent"
+    data.mkdir()
+    seed(f"sqlite:///{data}/sustain.db")
+    (tmp_path / "scenario.scn").write_text(SCENARIO)
+    wrapper = tmp_path / "probe-python"
+    wrapper.write_text(WRAPPER.format(python=sys.executable))
+    wrapper.chmod(0o755)
+    agent_port, prometheus_port = free_port(), free_port()
+    (tmp_path / "sustain.toml").write_text(
+        textwrap.dedent(
+            f"""
+            [agent]
+            node = "{NODE}"
+            [host]
+            sysfs = "{ROOT / "tests" / "fixtures" / "host" / "sys"}"
+            [drift]
+            interval_seconds = 10
+            [stack]
+            interval_seconds = 10
+            [probing]
+            initial_delay_seconds = 0
+            duty_cycle = 1.0
+            busy_gpu_utilization = 1.0
+            busy_cpu_utilization = 1.0
+            python = "{wrapper}"
+            [[probing.plan]]
+            workload = "matmul"
+            precisions = ["fp32"]
+            duration_seconds = 2
+            size = "small"
+            interval_seconds = 30
+            jitter_seconds = 0
+            [[probing.plan]]
+            workload = "inference"
+            precisions = ["fp32"]
+            duration_seconds = 2
+            size = "small"
+            interval_seconds = 300
+            jitter_seconds = 0
+            [[probing.plan]]
+            workload = "attention"
+            precisions = ["fp32"]
+            duration_seconds = 2
+            size = "small"
+            interval_seconds = 300
+            jitter_seconds = 0
+            """
+        )
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SUSTAIN_", "FAKENVML_"))}
+    env |= {
+        "LD_LIBRARY_PATH": str(fake_nvml.parent),
+        "FAKENVML_SCENARIO": str(tmp_path / "scenario.scn"),
+    }
+    agent_log = (tmp_path / "agent.log").open("w")
+    agent = subprocess.Popen(
+        [sys.executable, "-m", "agent", "run", "--config", str(tmp_path / "sustain.toml"),
+         "--listen", f"127.0.0.1:{agent_port}", "--data-dir", str(data)],
+        stdout=subprocess.DEVNULL, stderr=agent_log, env=env,
+    )  # fmt: skip
+    rules_every_second(tmp_path / "rules.yml")
+    (tmp_path / "prometheus.yml").write_text(
+        yaml.safe_dump(
+            {
+                "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+                "rule_files": [str(tmp_path / "rules.yml")],
+                "scrape_configs": [
+                    {
+                        "job_name": "sustain",
+                        "static_configs": [{"targets": [f"127.0.0.1:{agent_port}"]}],
+                    }
+                ],
+            }
+        )
+    )
+    prometheus_log = (tmp_path / "prometheus.log").open("w")
+    server = subprocess.Popen(
+        [prometheus, f"--config.file={tmp_path / 'prometheus.yml'}",
+         f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+         f"--web.listen-address=127.0.0.1:{prometheus_port}"],
+        stdout=subprocess.DEVNULL, stderr=prometheus_log,
+    )  # fmt: skip
+    try:
+        yield f"http://127.0.0.1:{prometheus_port}", tmp_path
+    finally:
+        for process in (server, agent):
+            process.terminate()
+        for process in (server, agent):
+            try:
+                process.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                process.kill()
+        agent_log.close()
+        prometheus_log.close()
+
+
+def wait_for(base: str, expr: str, timeout: float, logs: Path) -> list[Any]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            result: list[Any] = api(base, "query", query=expr)["result"]
+        except OSError:
+            result = []
+        if result:
+            return result
+        time.sleep(1)
+    pytest.fail(f"{expr} returned nothing in {timeout} s\n{(logs / 'agent.log').read_text()}")
+
+
+def test_every_dashboard_query_and_rule_returns_data(stack_running: tuple[str, Path]) -> None:
+    base, logs = stack_running
+    # What the slowest parts need: the drift child's first run, an inference and an attention
+    # probe (the SDPA backend it picks is a stack change), the latest probe results.
+    for expr in (
+        "sustain_drift_fleet_outlier",
+        "sustain_probe_latency_seconds",
+        "increase(sustain_stack_changes_total[5m]) > 0",
+        'sustain_probe_throughput{stat="steady",uuid!=""}',
+        "instance_device:sustain_probe_throughput_steady:median7d",
+    ):
+        wait_for(base, expr, 240, logs)
+    time.sleep(5)  # a few more evaluations of every rule group
+
+    empty = []
+    for dashboard, title, expr in load_queries():
+        if not api(base, "query", query=expr)["result"]:
+            empty.append(f"{dashboard} / {title}: {expr}")
+    rules = yaml.safe_load(RULES.read_text())
+    records = [r["record"] for g in rules["groups"] for r in g["rules"] if "record" in r]
+    assert records
+    for record in records:
+        if not api(base, "query", query=record)["result"]:
+            empty.append(f"recording rule {record}")
+    assert not empty, "no data:\n" + "\n".join(empty)
+
+    # The thermal alert: pending or firing for the throttled GPU (1) only.
+    alerts = [
+        alert
+        for alert in api(base, "alerts")["alerts"]
+        if alert["labels"]["alertname"] == "SustainGpuThermalThrottling"
+    ]
+    assert alerts, (logs / "agent.log").read_text()
+    assert {alert["labels"]["uuid"] for alert in alerts} == {UUID1}
+    assert all(alert["state"] in ("pending", "firing") for alert in alerts)
