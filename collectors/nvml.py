@@ -58,6 +58,13 @@ REASONS: tuple[tuple[str, int], ...] = (
     ("hw_power_brake_slowdown", 0x80),
     ("display_clock_setting", 0x100),
 )
+# Reasons that cost throughput: each stretch of one is a ``throttle_episode`` event, written when
+# it ends (with its start and length). sw_power_cap is normal under load but is what a capacity
+# planner asks about; idle, sync boost and the clock settings are not throttling.
+THROTTLE_REASONS = frozenset(
+    {"sw_power_cap", "hw_slowdown", "sw_thermal_slowdown", "hw_thermal_slowdown",
+     "hw_power_brake_slowdown"}
+)  # fmt: skip
 
 # Violation (perf policy) counters: field id of the current API, policy of the deprecated one.
 POLICIES: tuple[tuple[str, int, int], ...] = (
@@ -502,6 +509,7 @@ class _Device:
     last_poll: float | None = None
     last_reasons: int | None = None
     reason_seconds: dict[str, float] = field(default_factory=dict)
+    episode_start: dict[str, float] = field(default_factory=dict)  # throttle reason -> since
     gpm_sample: Any = None
     gpm_supported: bool | None = None
     last_full: float | None = None
@@ -912,6 +920,7 @@ class NvmlCollector:
         device.last_poll = now
         if mask is None:
             return
+        self._episodes(device, int(mask), now)
         for reason, bit in REASONS:
             poll.add(
                 "gpu_clock_event_reason_active", 1.0 if mask & bit else 0.0, ("reason", reason)
@@ -921,6 +930,31 @@ class NvmlCollector:
                 device.reason_seconds.get(reason, 0.0),
                 ("reason", reason),
             )
+
+    def _episodes(self, device: _Device, mask: int, now: float) -> None:
+        """Start or end the device's throttle episodes; an ended one becomes an event."""
+        for reason, bit in REASONS:
+            if reason not in THROTTLE_REASONS:
+                continue
+            started = device.episode_start.get(reason)
+            if mask & bit and started is None:
+                device.episode_start[reason] = now
+            elif not mask & bit and started is not None:
+                del device.episode_start[reason]
+                seconds = now - started
+                event = Event(
+                    "throttle_episode",
+                    device.uuid,
+                    now,
+                    f"GPU {device.index}: {reason} for {seconds:.1f} s",
+                    (
+                        ("reason", reason),
+                        ("started", f"{started:.3f}"),
+                        ("seconds", f"{seconds:.3f}"),
+                    ),
+                )
+                with self._lock:
+                    self._pending_events.append(event)
 
     def _read_fields(self, poll: _Poll) -> dict[int, float | None] | None:
         """Every field value the collector uses, in one call (the current API for memory

@@ -30,7 +30,7 @@ from agent.buffers import TelemetryStore
 from agent.exposition import AgentMetrics
 from agent.rollup import RollupBuilder
 from agent.sampler import SamplerLoop
-from collectors.base import Sample
+from collectors.base import Event, Sample
 from collectors.nvml import FIELDS, REASONS, NvmlCollector
 
 ROOT = Path(__file__).parent.parent
@@ -184,9 +184,12 @@ def test_hw_thermal_slowdown_on_gpu1_only_for_its_window(
     reason = (("reason", "hw_thermal_slowdown"),)
     timeline: list[tuple[float, float, float]] = []  # t, GPU 0 gauge, GPU 1 gauge
     last: dict[str, Sample] = {}
+    events: list[Event] = []
     for step in range(61):
         fake.sleep_until(step)
-        last = by_device(collector.collect())
+        polled = collector.collect()
+        events.extend(event for sample in polled for event in sample.events)
+        last = by_device(polled)
         t = fake.scenario_seconds(last[UUID1].timestamp)
         timeline.append(
             (
@@ -211,6 +214,12 @@ def test_hw_thermal_slowdown_on_gpu1_only_for_its_window(
     violations = values(last[UUID1], "gpu_violation_seconds_total")
     assert violations[(("policy", "thermal"),)] == pytest.approx(30.0, abs=1e-6)
     assert values(last[UUID0], "gpu_violation_seconds_total")[(("policy", "thermal"),)] == 0.0
+    # The episode is one archive event, on GPU 1, written when it ended.
+    (episode,) = [e for e in events if e.kind == "throttle_episode"]
+    attributes = dict(episode.attributes)
+    assert (episode.device, attributes["reason"]) == (UUID1, "hw_thermal_slowdown")
+    assert float(attributes["seconds"]) == pytest.approx(30.0, abs=max(1.0, interval))
+    assert fake.scenario_seconds(float(attributes["started"])) == pytest.approx(20.0, abs=interval)
 
 
 LOST = (
