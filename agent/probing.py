@@ -230,6 +230,14 @@ class ProbeScheduler:
                 telemetry = self._end(spec, run_id)
             run = replace(run, telemetry=tuple(telemetry))
             analysis = self._analyze(run)
+            stack_id = None
+            if self._stacks is not None and run.outcome != "skipped":
+                try:
+                    stack_id = self._stacks.after_run(run)
+                except Exception:  # a stack that cannot be read must not lose the result
+                    log.exception("probe %s: the stack could not be read", spec.name)
+            self._record(run, analysis=analysis, stack_id=stack_id)
+            # Logged once recorded (spooled, durable): a finished run in the log is in the archive.
             if run.outcome not in ("ok", "unsupported"):
                 log.warning("probe %s %s: %s", spec.name, run.outcome, run.reason)
             else:
@@ -240,13 +248,6 @@ class ProbeScheduler:
                     len(run.iterations),
                     len(telemetry),
                 )
-            stack_id = None
-            if self._stacks is not None and run.outcome != "skipped":
-                try:
-                    stack_id = self._stacks.after_run(run)
-                except Exception:  # a stack that cannot be read must not lose the result
-                    log.exception("probe %s: the stack could not be read", spec.name)
-            self._record(run, analysis=analysis, stack_id=stack_id)
             return run
 
     def _analyze(self, run: ProbeRun) -> RunAnalysis | None:
