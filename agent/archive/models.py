@@ -21,6 +21,7 @@ from sqlalchemy import (
     Text,
     UniqueConstraint,
     func,
+    text,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 from sqlalchemy.types import TypeDecorator
@@ -131,6 +132,12 @@ class EventRecord(Base):
     created_at: Mapped[datetime] = mapped_column(UTCDateTime(), server_default=func.now())
 
 
+# The rows of the probe_results view (migration 0005), and the columns every capacity group
+# starts with.
+RESULTS_WHERE = text("outcome = 'ok' AND steady_throughput IS NOT NULL")
+RESULT_GROUP = ("precision", "workload", "optimization", "unit")
+
+
 class ProbeRunRecord(Base):
     """One probe run: written as ``running`` when it starts and completed when it ends, so a run
     interrupted by the agent's death is found at the next start and marked ``aborted``."""
@@ -146,6 +153,42 @@ class ProbeRunRecord(Base):
         Index(None, "node", "device", "workload", "started_at"),
         Index(None, "precision", "workload", "ended_at"),
         Index(None, "stack_id"),
+        # ``sustain capacity`` (agent.capacity): partial indexes of exactly the rows of the
+        # probe_results view, each holding every column the query reads, so that neither
+        # database reads the table (about 2 KB a run with its JSON) nor sorts a million results.
+        # by_device, in group order, gives results, devices and models per group as a stream;
+        # by_model and by_stack, in value order within a group, give SQLite its percentiles by
+        # rank (and every group order to PostgreSQL's percentile_cont).
+        Index(
+            "ix_probe_runs_results_by_device",
+            *RESULT_GROUP,
+            "node",
+            "device",
+            "device_model",
+            "stack_id",
+            "ended_at",
+            "steady_throughput",
+            sqlite_where=RESULTS_WHERE,
+            postgresql_where=RESULTS_WHERE,
+        ),
+        Index(
+            "ix_probe_runs_results_by_model",
+            *RESULT_GROUP,
+            "device_model",
+            "steady_throughput",
+            "ended_at",
+            sqlite_where=RESULTS_WHERE,
+            postgresql_where=RESULTS_WHERE,
+        ),
+        Index(
+            "ix_probe_runs_results_by_stack",
+            *RESULT_GROUP,
+            "stack_id",
+            "steady_throughput",
+            "ended_at",
+            sqlite_where=RESULTS_WHERE,
+            postgresql_where=RESULTS_WHERE,
+        ),
     )
 
     id: Mapped[int] = mapped_column(

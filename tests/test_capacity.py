@@ -1,0 +1,575 @@
+"""``agent.capacity`` against numpy on the same values, on SQLite and PostgreSQL.
+
+The rows are written straight into probe_runs, as the agent's writer leaves them, and read back
+through the probe_results view; every expectation is computed here from the same list with numpy.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Iterator
+from datetime import UTC, datetime, timedelta, timezone
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from sqlalchemy import Engine, event, insert
+
+from agent import capacity as capacity_module
+from agent.archive.database import ArchiveError, open_engine, upgrade
+from agent.archive.models import ProbeRunRecord
+from agent.capacity import CapacityRow, capacity, human, parse_since, render_table, rows_as_json
+from agent.specs import spec_peak
+
+NOW = datetime(2026, 11, 22, 12, 0, tzinfo=UTC)
+H100 = "NVIDIA H100 80GB HBM3"
+A100 = "NVIDIA A100-SXM4-80GB"
+UNKNOWN = "NVIDIA Mystery 9000"
+STACK_A = "a" * 64
+STACK_B = "b" * 64
+GROUP_COLUMN = {"model": "device_model", "node": "node", "stack": "stack_id"}
+
+
+def probe_run(**values: Any) -> dict[str, Any]:
+    """A row of probe_runs: an ok, analysed run unless ``values`` say otherwise."""
+    started_at = values.pop("started_at", NOW - timedelta(hours=1))
+    row: dict[str, Any] = {
+        "run_id": uuid.uuid4().hex,
+        "node": "node-a",
+        "device": "GPU-0",
+        "device_label": "gpu0",
+        "workload": "matmul",
+        "precision": "bf16",
+        "optimization": "eager",
+        "outcome": "ok",
+        "reason": "",
+        "started_at": started_at,
+        "ended_at": started_at + timedelta(seconds=12),
+        "duration_seconds": 12.0,
+        "iterations": 100,
+        "throughput": 1.0,
+        "unit": "FLOP/s",
+        "exit_code": 0,
+        "stderr_tail": "",
+        "classification": "flat",
+        "steady_throughput": 1.0,
+        "stack_id": STACK_A,
+        "device_model": H100,
+    }
+    row.update(values)
+    return row
+
+
+def store(engine: Engine, rows: Iterable[dict[str, Any]]) -> None:
+    with engine.begin() as connection:
+        connection.execute(insert(ProbeRunRecord), list(rows))
+
+
+def fleet(seed: int = 0) -> list[dict[str, Any]]:
+    """A small fleet with every complication the query must handle.
+
+    Three nodes (two of H100s, one of A100s with an unknown-model CPU device beside them), two
+    stacks, two workloads, two precisions, groups of one, two and a few hundred results, runs
+    archived before device models and stacks were recorded (NULL), and runs that are not results.
+    """
+    rng = np.random.default_rng(seed)
+    rows: list[dict[str, Any]] = []
+    devices = [
+        ("node-a", "GPU-a0", H100),
+        ("node-a", "GPU-a1", H100),
+        ("node-b", "GPU-b0", H100),
+        ("node-c", "GPU-c0", A100),
+        ("node-c", "host", UNKNOWN),
+        # The same device key on another node (CPUs are all "host"): another device.
+        ("node-a", "host", UNKNOWN),
+    ]
+    for node, device, model in devices:
+        for workload, precision, unit, scale in (
+            ("matmul", "bf16", "FLOP/s", 7e14),
+            ("matmul", "fp32", "FLOP/s", 5e13),
+            ("membw", "fp32", "B/s", 2.8e12),
+        ):
+            for index in range(int(rng.integers(20, 60))):
+                rows.append(
+                    probe_run(
+                        node=node,
+                        device=device,
+                        device_model=model,
+                        workload=workload,
+                        precision=precision,
+                        unit=unit,
+                        stack_id=STACK_A if index % 3 else STACK_B,
+                        started_at=NOW - timedelta(days=float(rng.uniform(0, 30))),
+                        steady_throughput=float(scale * rng.uniform(0.8, 1.0)),
+                    )
+                )
+    # One large group (odd count), one of two results and one of a single result.
+    rows += [
+        probe_run(
+            node="node-d",
+            device="GPU-d0",
+            precision="fp16",
+            steady_throughput=float(value),
+            started_at=NOW - timedelta(days=float(day)),
+        )
+        for value, day in zip(rng.normal(6e14, 5e13, 501), rng.uniform(0, 30, 501), strict=True)
+    ]
+    rows += [
+        probe_run(node="node-e", device="GPU-e0", precision="fp8", steady_throughput=v)
+        for v in (1.2e15, 1.4e15)
+    ]
+    rows.append(probe_run(node="node-e", device="GPU-e1", precision="int8", steady_throughput=3.0))
+    # Archived before migration 0005: no model, no stack.
+    rows += [
+        probe_run(
+            node="node-f", device="GPU-f0", device_model=None, stack_id=None, steady_throughput=v
+        )
+        for v in (4e14, 5e14, 6e14)
+    ]
+    # Not results: a failed run, an ok run the analysis gave no steady value, a running one.
+    rows.append(probe_run(outcome="failed", steady_throughput=None, reason="exit 1"))
+    rows.append(probe_run(steady_throughput=None, classification="insufficient"))
+    rows.append(probe_run(outcome="running", ended_at=None, steady_throughput=None))
+    return rows
+
+
+def expected(
+    rows: list[dict[str, Any]], by: str, keep: Callable[[dict[str, Any]], bool] = lambda _: True
+) -> list[CapacityRow]:
+    """The capacity rows computed with numpy from the runs themselves."""
+    groups: dict[tuple[Any, ...], list[dict[str, Any]]] = defaultdict(list)
+    for row in rows:
+        if row["outcome"] != "ok" or row["steady_throughput"] is None or not keep(row):
+            continue
+        key = (
+            row[GROUP_COLUMN[by]],
+            row["workload"],
+            row["precision"],
+            row["optimization"],
+            row["unit"],
+        )
+        groups[key].append(row)
+    result = []
+    for (group, workload, precision, optimization, unit), members in groups.items():
+        values = np.array([m["steady_throughput"] for m in members])
+        median, p10 = np.quantile(values, [0.5, 0.1])
+        models = {m["device_model"] for m in members}
+        peak = spec_peak(models.pop(), workload, precision, unit) if len(models) == 1 else None
+        result.append(
+            CapacityRow(
+                group=group,
+                workload=workload,
+                precision=precision,
+                optimization=optimization,
+                unit=unit,
+                median=float(median),
+                p10=float(p10),
+                results=len(members),
+                devices=len({(m["node"], m["device"]) for m in members}),
+                spec_ratio=float(median) / peak if peak else None,
+            )
+        )
+    result.sort(
+        key=lambda r: (r.workload, r.precision, r.optimization, r.group is None, r.group or "")
+    )
+    return result
+
+
+def assert_rows(actual: list[CapacityRow], wanted: list[CapacityRow]) -> None:
+    assert [(r.group, r.workload, r.precision, r.optimization, r.unit) for r in actual] == [
+        (r.group, r.workload, r.precision, r.optimization, r.unit) for r in wanted
+    ]
+    for got, want in zip(actual, wanted, strict=True):
+        assert (got.results, got.devices) == (want.results, want.devices), want
+        assert got.median == pytest.approx(want.median, rel=1e-12), want
+        assert got.p10 == pytest.approx(want.p10, rel=1e-12), want
+        if want.spec_ratio is None:
+            assert got.spec_ratio is None, want
+        else:
+            assert got.spec_ratio == pytest.approx(want.spec_ratio, rel=1e-12), want
+
+
+@pytest.fixture
+def archive(archive_engine: Engine) -> tuple[Engine, list[dict[str, Any]]]:
+    rows = fleet()
+    store(archive_engine, rows)
+    return archive_engine, rows
+
+
+@pytest.mark.parametrize("by", ["model", "node", "stack"])
+def test_groups_match_numpy(archive: tuple[Engine, list[dict[str, Any]]], by: str) -> None:
+    engine, rows = archive
+    assert_rows(capacity(engine, by=by), expected(rows, by))
+
+
+def test_default_groups_by_model(archive: tuple[Engine, list[dict[str, Any]]]) -> None:
+    engine, rows = archive
+    assert_rows(capacity(engine), expected(rows, "model"))
+
+
+def test_summaries_streamed_in_many_chunks(
+    archive: tuple[Engine, list[dict[str, Any]]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    engine, rows = archive
+    monkeypatch.setattr(capacity_module, "STREAM_CHUNK", 2)
+    assert_rows(capacity(engine, by="stack"), expected(rows, "stack"))
+
+
+@pytest.mark.parametrize(
+    ("filters", "keep"),
+    [
+        ({"precision": "fp32"}, lambda r: r["precision"] == "fp32"),
+        ({"workload": "membw"}, lambda r: r["workload"] == "membw"),
+        ({"optimization": "eager"}, lambda r: True),
+        ({"optimization": "compiled"}, lambda r: False),
+        (
+            {"workload": "matmul", "precision": "fp32"},
+            lambda r: r["workload"] == "matmul" and r["precision"] == "fp32",
+        ),
+    ],
+)
+def test_filters(
+    archive: tuple[Engine, list[dict[str, Any]]],
+    filters: dict[str, Any],
+    keep: Callable[[dict[str, Any]], bool],
+) -> None:
+    engine, rows = archive
+    for by in ("model", "node"):
+        assert_rows(capacity(engine, by=by, **filters), expected(rows, by, keep))
+
+
+def test_since_keeps_the_runs_that_ended_at_or_after_it(
+    archive: tuple[Engine, list[dict[str, Any]]],
+) -> None:
+    engine, rows = archive
+    since = NOW - timedelta(days=7)
+    # One run ends exactly at the cutoff: it is in.
+    boundary = probe_run(
+        node="node-g",
+        device="GPU-g0",
+        started_at=since - timedelta(seconds=12),
+        steady_throughput=9.0,
+    )
+    store(engine, [boundary])
+    rows = [*rows, boundary]
+
+    def recent(row: dict[str, Any]) -> bool:
+        return bool(row["ended_at"] >= since)
+
+    for by in ("model", "stack"):
+        assert_rows(capacity(engine, by=by, since=since), expected(rows, by, recent))
+    bf16 = capacity(engine, by="node", precision="bf16", since=since)
+    assert_rows(bf16, expected(rows, "node", lambda r: recent(r) and r["precision"] == "bf16"))
+    assert any(row.group == "node-g" and row.results == 1 for row in bf16)
+
+
+def test_since_in_another_zone_is_the_same_instant(
+    archive: tuple[Engine, list[dict[str, Any]]],
+) -> None:
+    engine, _ = archive
+    since = NOW - timedelta(days=3)
+    other = since.astimezone(timezone(timedelta(hours=5, minutes=30)))
+    assert capacity(engine, since=other) == capacity(engine, since=since)
+
+
+def test_spec_ratio_of_a_known_model(archive_engine: Engine) -> None:
+    store(
+        archive_engine,
+        [
+            *(
+                probe_run(device=f"GPU-{i}", steady_throughput=v)
+                for i, v in enumerate((7e14, 8e14))
+            ),
+            probe_run(workload="membw", precision="fp32", unit="B/s", steady_throughput=3.0e12),
+        ],
+    )
+    matmul, membw = capacity(archive_engine)
+    assert (matmul.group, matmul.workload, matmul.devices) == (H100, "matmul", 2)
+    assert matmul.median == pytest.approx(7.5e14)
+    assert matmul.spec_ratio == pytest.approx(7.5e14 / 989.5e12)
+    assert membw.spec_ratio == pytest.approx(3.0e12 / 3.35e12)
+
+
+def test_no_ratio_for_an_unknown_model_or_workload_or_a_mixed_group(
+    archive: tuple[Engine, list[dict[str, Any]]],
+) -> None:
+    engine, _ = archive
+    by_model = capacity(engine, precision="bf16")
+    assert {row.group: row.spec_ratio is not None for row in by_model} == {
+        H100: True,
+        A100: True,
+        UNKNOWN: False,
+        None: False,
+    }
+    # node-c has an A100 and a CPU device of another model: its bf16 matmul group mixes them.
+    node_c = [row for row in capacity(engine, by="node", precision="bf16") if row.group == "node-c"]
+    assert [(row.devices, row.spec_ratio) for row in node_c] == [(2, None)]
+    store(engine, [probe_run(workload="attention", steady_throughput=4e14)])
+    attention = capacity(engine, workload="attention")
+    assert [(row.group, row.spec_ratio) for row in attention] == [(H100, None)]
+
+
+def test_runs_that_are_not_results_are_left_out(archive_engine: Engine) -> None:
+    store(
+        archive_engine,
+        [
+            probe_run(steady_throughput=5.0),
+            probe_run(outcome="failed", steady_throughput=None),
+            probe_run(outcome="timeout", steady_throughput=None),
+            probe_run(steady_throughput=None),
+            # A steady value on a run that did not end ok is no result either.
+            probe_run(outcome="aborted", steady_throughput=7.0),
+        ],
+    )
+    (row,) = capacity(archive_engine)
+    assert (row.results, row.median, row.p10) == (1, 5.0, 5.0)
+
+
+def test_empty(archive_engine: Engine) -> None:
+    assert capacity(archive_engine) == []
+    store(archive_engine, [probe_run()])
+    assert capacity(archive_engine, precision="fp64") == []
+    assert capacity(archive_engine, since=NOW + timedelta(days=1)) == []
+
+
+def test_rows_are_sorted_by_workload_precision_optimization_and_group(
+    archive: tuple[Engine, list[dict[str, Any]]],
+) -> None:
+    engine, _ = archive
+    rows = capacity(engine)
+    keys = [(r.workload, r.precision, r.optimization, r.group is None, r.group or "") for r in rows]
+    assert keys == sorted(keys)
+
+
+def test_bad_arguments(archive_engine: Engine) -> None:
+    with pytest.raises(ValueError, match="cannot group by 'gpu'"):
+        capacity(archive_engine, by="gpu")
+    with pytest.raises(ValueError, match="naive datetime"):
+        capacity(archive_engine, since=datetime(2026, 11, 1))
+
+
+def test_database_errors_are_archive_errors(database_url: str) -> None:
+    engine = open_engine(database_url)  # never migrated: there is no probe_results view
+    try:
+        with pytest.raises(ArchiveError, match=r"^cannot query .*probe_results") as caught:
+            capacity(engine)
+        assert "\n" not in str(caught.value)
+    finally:
+        engine.dispose()
+
+
+def explained_plans(engine: Engine, run: Callable[[], object]) -> Iterator[str]:
+    """SQLite's query plan of every statement ``run`` executes."""
+    statements: list[tuple[str, Any]] = []
+
+    def record(_conn: Any, _cursor: Any, statement: str, parameters: Any, *_: Any) -> None:
+        if statement.lstrip().upper().startswith("SELECT"):
+            statements.append((statement, parameters))
+
+    event.listen(engine, "before_cursor_execute", record)
+    try:
+        run()
+    finally:
+        event.remove(engine, "before_cursor_execute", record)
+    with engine.connect() as connection:
+        for statement, parameters in statements:
+            plan = connection.exec_driver_sql("EXPLAIN QUERY PLAN " + statement, parameters)
+            yield " / ".join(str(row[-1]) for row in plan)
+
+
+@pytest.mark.parametrize(
+    "filters",
+    [
+        {},
+        {"precision": "bf16"},
+        {"workload": "matmul"},
+        {"optimization": "eager"},
+        {"workload": "matmul", "precision": "bf16", "optimization": "eager"},
+        {"since": NOW - timedelta(days=7)},
+        {"precision": "bf16", "since": NOW - timedelta(days=7)},
+    ],
+)
+@pytest.mark.parametrize("by", ["model", "stack"])
+def test_sqlite_reads_the_capacity_indexes_without_sorting(
+    tmp_path: Path, filters: dict[str, Any], by: str
+) -> None:
+    """A million results stay near a second only if SQLite follows the capacity indexes: its
+    planner has no statistics, and given the chance it sorts the whole view instead."""
+    engine = open_engine(f"sqlite:///{tmp_path / 'archive.db'}")
+    try:
+        upgrade(engine)
+        store(engine, fleet())
+        plans = list(explained_plans(engine, lambda: capacity(engine, by=by, **filters)))
+    finally:
+        engine.dispose()
+    assert plans
+    for plan in plans:
+        assert "ix_probe_runs_results_by_" in plan, plan
+        assert "TEMP B-TREE" not in plan, plan
+
+
+# --since
+
+
+@pytest.mark.parametrize(
+    ("text", "instant"),
+    [
+        ("7d", NOW - timedelta(days=7)),
+        ("24h", NOW - timedelta(hours=24)),
+        ("30m", NOW - timedelta(minutes=30)),
+        ("45s", NOW - timedelta(seconds=45)),
+        ("2w", NOW - timedelta(weeks=2)),
+        (" 7D ", NOW - timedelta(days=7)),
+        ("2026-11-01", datetime(2026, 11, 1, tzinfo=UTC)),
+        ("2026-11-01T08:30:00", datetime(2026, 11, 1, 8, 30, tzinfo=UTC)),
+        ("2026-11-01 08:30", datetime(2026, 11, 1, 8, 30, tzinfo=UTC)),
+        ("2026-11-01T08:30:00Z", datetime(2026, 11, 1, 8, 30, tzinfo=UTC)),
+        ("2026-11-01T10:30:00+02:00", datetime(2026, 11, 1, 8, 30, tzinfo=UTC)),
+    ],
+)
+def test_parse_since(text: str, instant: datetime) -> None:
+    parsed = parse_since(text, NOW)
+    assert parsed == instant
+    assert parsed.utcoffset() == timedelta(0)
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("", "neither a duration"),
+        ("7", "neither a duration"),
+        ("d", "neither a duration"),
+        ("-7d", "neither a duration"),
+        ("7x", "neither a duration"),
+        ("1.5d", "neither a duration"),
+        ("yesterday", "neither a duration"),
+        ("2026-13-01", "neither a duration"),
+        ("0d", "more than zero"),
+        ("99999999999d", "too long"),
+        ("2026-12-01", "in the future"),
+    ],
+)
+def test_parse_since_refuses(text: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message) as caught:
+        parse_since(text, NOW)
+    assert str(caught.value).startswith(f"--since {text!r}")
+    assert "\n" not in str(caught.value)
+
+
+# Output
+
+
+@pytest.mark.parametrize(
+    ("value", "unit", "text"),
+    [
+        (8.123e14, "FLOP/s", "812.3 TFLOP/s"),
+        (9.895e14, "FLOP/s", "989.5 TFLOP/s"),
+        (1.979e15, "FLOP/s", "1.979 PFLOP/s"),
+        (3.35e12, "B/s", "3.350 TB/s"),
+        (45.67e9, "B/s", "45.67 GB/s"),
+        (1500.0, "tokens/s", "1.500 ktokens/s"),
+        (999.96, "tokens/s", "1.000 ktokens/s"),
+        (12.5, "tokens/s", "12.50 tokens/s"),
+        (0.0125, "s", "12.50 ms"),
+        (0.0, "FLOP/s", "0 FLOP/s"),
+        (5.0, None, "5.000"),
+    ],
+)
+def test_human(value: float, unit: str | None, text: str) -> None:
+    assert human(value, unit) == text
+
+
+def test_render_table_aligns_columns(archive: tuple[Engine, list[dict[str, Any]]]) -> None:
+    engine, _ = archive
+    rows = capacity(engine, by="stack", precision="bf16")
+    lines = render_table(rows, by="stack").splitlines()
+    assert lines[0].split() == [
+        "STACK",
+        "WORKLOAD",
+        "PRECISION",
+        "OPT",
+        "MEDIAN",
+        "P10",
+        "SPEC",
+        "RESULTS",
+        "DEVICES",
+    ]
+    assert len(lines) == len(rows) + 1
+    # Stack ids are shortened, the missing one shown as "-"; numbers end in one column.
+    assert {line.split()[0] for line in lines[1:]} == {STACK_A[:12], STACK_B[:12], "-"}
+    assert len({len(line) for line in lines[1:]}) == 1
+    assert "TFLOP/s" in lines[1]
+    assert render_table([]) == "no probe results match"
+
+
+def test_rows_as_json(archive: tuple[Engine, list[dict[str, Any]]]) -> None:
+    engine, _ = archive
+    rows = capacity(engine, precision="bf16")
+    objects = rows_as_json(rows)
+    assert json.loads(json.dumps(objects)) == objects
+    assert objects[0] == {
+        "group": rows[0].group,
+        "workload": rows[0].workload,
+        "precision": rows[0].precision,
+        "optimization": rows[0].optimization,
+        "unit": rows[0].unit,
+        "median": rows[0].median,
+        "p10": rows[0].p10,
+        "results": rows[0].results,
+        "devices": rows[0].devices,
+        "spec_ratio": rows[0].spec_ratio,
+    }
+
+
+# Spec peaks
+
+
+@pytest.mark.parametrize(
+    ("model", "workload", "precision", "peak"),
+    [
+        (H100, "matmul", "bf16", 989.5e12),
+        (H100, "matmul", "fp32", 67e12),
+        (H100, "matmul", "fp8", 1979e12),
+        (H100, "membw", "fp32", 3.35e12),
+        ("NVIDIA H100 PCIe", "matmul", "bf16", 756.5e12),
+        ("NVIDIA H100 PCIe", "membw", "fp32", 2.0e12),
+        ("NVIDIA H200", "matmul", "bf16", 989.5e12),
+        ("NVIDIA H200", "membw", "fp32", 4.8e12),
+        (A100, "matmul", "tf32", 156e12),
+        (A100, "membw", "fp32", 2039e9),
+        ("NVIDIA A100-SXM4-40GB", "membw", "fp32", 1555e9),
+        ("NVIDIA A100-PCIE-40GB", "matmul", "int8", 624e12),
+        ("NVIDIA A100 80GB PCIe", "membw", "fp32", 1935e9),
+        ("NVIDIA L40S", "matmul", "fp16", 362.05e12),
+        ("NVIDIA L40S", "membw", "fp32", 864e9),
+    ],
+)
+def test_spec_peaks(model: str, workload: str, precision: str, peak: float) -> None:
+    assert spec_peak(model, workload, precision) == pytest.approx(peak)
+
+
+@pytest.mark.parametrize(
+    ("model", "workload", "precision", "unit"),
+    [
+        (None, "matmul", "bf16", "FLOP/s"),
+        (UNKNOWN, "matmul", "bf16", "FLOP/s"),
+        ("Intel(R) Xeon(R) Platinum 8480+", "matmul", "fp32", "FLOP/s"),
+        # Variants whose figures differ from their family's are not lent the family's.
+        ("NVIDIA H100 NVL", "matmul", "bf16", "FLOP/s"),
+        ("NVIDIA H200 NVL", "matmul", "bf16", "FLOP/s"),
+        ("NVIDIA H100 SXM5 64GB", "matmul", "bf16", "FLOP/s"),
+        ("NVIDIA A100-SXM4-40GB MIG 1g.5gb", "matmul", "bf16", "FLOP/s"),
+        ("NVIDIA A100X", "membw", "fp32", "B/s"),
+        # No FP8 on Ampere; no spec figure for these workloads; a unit no spec is in.
+        (A100, "matmul", "fp8", "FLOP/s"),
+        (H100, "attention", "bf16", "FLOP/s"),
+        (H100, "inference", "bf16", "tokens/s"),
+        (H100, "h2d", "fp32", "B/s"),
+        (H100, "matmul", "bf16", "B/s"),
+    ],
+)
+def test_no_spec_peak(model: str | None, workload: str, precision: str, unit: str) -> None:
+    assert spec_peak(model, workload, precision, unit) is None
