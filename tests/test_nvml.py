@@ -15,6 +15,7 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+import pynvml
 import pytest
 from conftest import FakeGpus, start_agent
 from fakenvml.build import build
@@ -411,3 +412,19 @@ def test_sustain_run_serves_gpu_families_with_the_fake_driver(
     assert clocks[(UUID0, "sm")] == 1.41e9
     assert "sustain_gpu_clock_event_reason_seconds" in families
     assert "NVML: driver 550.54.15, 2 GPU(s)" in err
+
+
+def test_driver_upgrade_at_a_scenario_time(
+    scenario: Callable[[str, float], tuple[FakeGpus, NvmlCollector]],
+) -> None:
+    """`upgrade TIME VERSION`: the driver version the stack snapshots read changes mid-run."""
+    fake, collector = scenario(
+        'set driver_version 550.54.15\ndevice 0 name "NVIDIA H100 80GB HBM3" uuid GPU-a\n'
+        "upgrade 2 555.42.02\n",
+        10.0,
+    )
+    library = collector.library
+    library.start()
+    assert library.call(pynvml.nvmlSystemGetDriverVersion) == "550.54.15"
+    fake.sleep_until(2.5)
+    assert library.call(pynvml.nvmlSystemGetDriverVersion) == "555.42.02"

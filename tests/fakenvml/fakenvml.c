@@ -430,7 +430,9 @@ NVML_API nvmlReturn_t nvmlSystemGetDriverVersion(char *version, unsigned int len
     if (result != NVML_SUCCESS) {
         return result;
     }
-    return leave(copy_string(g_scenario->driver_version, version, length));
+    const char *current = scenario_now() >= g_scenario->upgrade_t ? g_scenario->upgraded_version
+                                                                   : g_scenario->driver_version;
+    return leave(copy_string(current, version, length));
 }
 #endif
 

@@ -584,6 +584,22 @@ static bool directive_xid(struct parser *p, char **tokens, int count)
     return true;
 }
 
+static bool directive_upgrade(struct parser *p, char **tokens, int count)
+{
+    struct scenario *s = p->scenario;
+    double t;
+    if (count != 3) {
+        report(p, "usage: upgrade TIME DRIVER_VERSION");
+        return false;
+    }
+    if (!parse_time(p, tokens[1], NAN, &t)) {
+        return false;
+    }
+    s->upgrade_t = t;
+    return copy_string(p, "driver_version", tokens[2], s->upgraded_version,
+                       sizeof s->upgraded_version);
+}
+
 static bool directive_process(struct parser *p, char **tokens, int count)
 {
     struct device *device;
@@ -642,10 +658,13 @@ static bool parse_line(struct parser *p, char *line)
     if (strcmp(directive, "xid") == 0) {
         return directive_xid(p, tokens, count);
     }
+    if (strcmp(directive, "upgrade") == 0) {
+        return directive_upgrade(p, tokens, count);
+    }
     if (strcmp(directive, "process") == 0) {
         return directive_process(p, tokens, count);
     }
-    report(p, "unknown directive '%s' (set, device, at, fault, xid, process)", directive);
+    report(p, "unknown directive '%s' (set, device, at, fault, xid, process, upgrade)", directive);
     return false;
 }
 
@@ -664,6 +683,7 @@ struct scenario *scenario_load(const char *path)
         return NULL;
     }
     s->time_scale = 1.0;
+    s->upgrade_t = INFINITY;
     snprintf(s->driver_version, sizeof s->driver_version, "550.54.15");
     snprintf(s->nvml_version, sizeof s->nvml_version, "12.550.54.15");
     s->cuda_driver_version = 12040;

@@ -176,6 +176,9 @@ struct device {
 struct scenario {
     double time_scale;
     char driver_version[NVML_SYSTEM_DRIVER_VERSION_BUFFER_SIZE];
+    /* "upgrade TIME VERSION": from scenario time upgrade_t on, the driver reports this version. */
+    double upgrade_t; /* INFINITY: no upgrade */
+    char upgraded_version[NVML_SYSTEM_DRIVER_VERSION_BUFFER_SIZE];
     char nvml_version[NVML_SYSTEM_NVML_VERSION_BUFFER_SIZE];
     int cuda_driver_version;
     unsigned int device_count;
