@@ -11,12 +11,15 @@ instead of skipping them, so that a green run always means both backends were ex
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -221,3 +224,59 @@ def start_agent(tmp_path: Path, *args: str, env: dict[str, str] | None = None) -
         env=full_env,
     )
     return Running(process, port, tmp_path)
+
+
+# A private PostgreSQL instance that a test may stop and start (database outages).
+
+
+@dataclass
+class PrivatePostgres:
+    directory: Path
+    port: int
+
+    @property
+    def url(self) -> str:
+        return f"postgresql+psycopg://postgres@127.0.0.1:{self.port}/postgres"
+
+    def _ctl(self, *args: str) -> None:
+        command = ["pg_ctl", "-D", str(self.directory / "data"), *args]
+        subprocess.run(_as_postgres(command), check=True, capture_output=True, timeout=60)
+
+    def start(self) -> None:
+        options = f"-p {self.port} -k {self.directory} -c listen_addresses=127.0.0.1"
+        self._ctl("-o", options, "-l", str(self.directory / "log"), "-w", "start")
+
+    def stop(self) -> None:
+        self._ctl("-m", "fast", "-w", "stop")
+
+
+def _as_postgres(command: list[str]) -> list[str]:
+    # initdb and postgres refuse to run as root; CI runs the tests as root.
+    if os.geteuid() == 0:
+        return ["runuser", "-u", "postgres", "--", *command]
+    return command
+
+
+@pytest.fixture
+def private_postgres() -> Iterator[PrivatePostgres]:
+    if shutil.which("initdb") is None or shutil.which("pg_ctl") is None:
+        pytest.fail("initdb and pg_ctl (PostgreSQL server binaries) are needed on PATH")
+    # Not under pytest's tmp_path: its parents are private to root, and the server runs as
+    # postgres when the tests run as root.
+    directory = Path(tempfile.mkdtemp(prefix="sustain-pg-"))
+    if os.geteuid() == 0:
+        shutil.chown(directory, "postgres", "postgres")
+    subprocess.run(
+        _as_postgres(["initdb", "-D", str(directory / "data"), "-A", "trust", "-U", "postgres"]),
+        check=True,
+        capture_output=True,
+        timeout=120,
+    )
+    server = PrivatePostgres(directory, free_port())
+    server.start()
+    try:
+        yield server
+    finally:
+        with contextlib.suppress(subprocess.CalledProcessError):  # already stopped
+            server.stop()
+        shutil.rmtree(directory, ignore_errors=True)

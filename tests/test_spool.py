@@ -4,24 +4,20 @@ agent without a result lost or doubled."""
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import os
-import shutil
 import signal
 import sqlite3
 import subprocess
 import sys
-import tempfile
 import textwrap
 import time
 import uuid
-from collections.abc import Iterator
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from conftest import fetch, free_port
+from conftest import PrivatePostgres, fetch, free_port
 from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy import Engine, create_engine, text
 
@@ -114,59 +110,6 @@ def sqlite_rows(path: Path, query: str) -> list[tuple[str, str]]:
 
 
 # Acceptance 3: a private PostgreSQL instance, stopped and started under a running agent.
-
-
-@dataclass
-class PrivatePostgres:
-    directory: Path
-    port: int
-
-    @property
-    def url(self) -> str:
-        return f"postgresql+psycopg://postgres@127.0.0.1:{self.port}/postgres"
-
-    def _ctl(self, *args: str) -> None:
-        command = ["pg_ctl", "-D", str(self.directory / "data"), *args]
-        subprocess.run(_as_postgres(command), check=True, capture_output=True, timeout=60)
-
-    def start(self) -> None:
-        options = f"-p {self.port} -k {self.directory} -c listen_addresses=127.0.0.1"
-        self._ctl("-o", options, "-l", str(self.directory / "log"), "-w", "start")
-
-    def stop(self) -> None:
-        self._ctl("-m", "fast", "-w", "stop")
-
-
-def _as_postgres(command: list[str]) -> list[str]:
-    # initdb and postgres refuse to run as root; CI runs the tests as root.
-    if os.geteuid() == 0:
-        return ["runuser", "-u", "postgres", "--", *command]
-    return command
-
-
-@pytest.fixture
-def private_postgres() -> Iterator[PrivatePostgres]:
-    if shutil.which("initdb") is None or shutil.which("pg_ctl") is None:
-        pytest.fail("initdb and pg_ctl (PostgreSQL server binaries) are needed on PATH")
-    # Not under pytest's tmp_path: its parents are private to root, and the server runs as
-    # postgres when the tests run as root.
-    directory = Path(tempfile.mkdtemp(prefix="sustain-pg-"))
-    if os.geteuid() == 0:
-        shutil.chown(directory, "postgres", "postgres")
-    subprocess.run(
-        _as_postgres(["initdb", "-D", str(directory / "data"), "-A", "trust", "-U", "postgres"]),
-        check=True,
-        capture_output=True,
-        timeout=120,
-    )
-    server = PrivatePostgres(directory, free_port())
-    server.start()
-    try:
-        yield server
-    finally:
-        with contextlib.suppress(subprocess.CalledProcessError):  # already stopped
-            server.stop()
-        shutil.rmtree(directory, ignore_errors=True)
 
 
 def probe_runs_total(body: str) -> int:
