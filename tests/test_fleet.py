@@ -19,7 +19,8 @@ from typing import Any
 
 import numpy as np
 import pytest
-from sqlalchemy import insert
+from conftest import POSTGRES_SERVER
+from sqlalchemy import insert, text
 
 from agent.archive.database import open_engine, upgrade
 from agent.archive.models import EventRecord, ProbeRunRecord, StackSnapshotRecord
@@ -104,9 +105,6 @@ def fleet() -> tuple[list[dict[str, Any]], dict[str, list[float]]]:
 
 @pytest.fixture(scope="module")
 def fleet_url(postgres_admin: Any) -> Any:
-    from conftest import POSTGRES_SERVER  # noqa: PLC0415
-    from sqlalchemy import text  # noqa: PLC0415
-
     name = f"sustain_fleet_{uuid.uuid4().hex[:12]}"
     with postgres_admin.connect() as connection:
         connection.execute(text(f'CREATE DATABASE "{name}"'))
@@ -225,7 +223,8 @@ def test_capacity_by_model_matches_the_expected_medians(fleet_url: Any) -> None:
     assert row["p10"] == pytest.approx(0.92 * BASE["bf16"], rel=0.02)
     done = sustain("capacity", "--database", url, "--by", "stack", "--precision", "bf16")
     assert done.returncode == 0, done.stderr
-    assert OLD.id[:12] in done.stdout and NEW.id[:12] in done.stdout
+    assert OLD.id[:12] in done.stdout
+    assert NEW.id[:12] in done.stdout
 
 
 def test_stack_history_and_diff_from_the_fleet_archive(fleet_url: Any) -> None:
