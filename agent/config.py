@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
@@ -26,6 +27,8 @@ from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 from sqlalchemy.engine import URL, make_url
 from sqlalchemy.exc import ArgumentError, NoSuchModuleError
+
+from agent import webconfig
 
 ENV_PREFIX = "SUSTAIN_"
 DEFAULT_PORT = 9477
@@ -68,8 +71,22 @@ def redact_url(url: str) -> str:
         return "<unparseable database URL>"
 
 
+DAY_SECONDS = 86_400.0
+YEAR_SECONDS = 366 * DAY_SECONDS  # the scheduler cannot hold dates past year 9999
+
+
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # Infinity and NaN are valid TOML floats but no duration, rate or share the agent can use.
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+    @field_validator("*", check_fields=False)
+    @classmethod
+    def _no_nul_character(cls, value: Any) -> Any:
+        """No path, name, URL or command holds a NUL (TOML can write one as "\\u0000")."""
+        for item in value if isinstance(value, list) else [value]:
+            if isinstance(item, str | Path) and "\x00" in str(item):
+                raise ValueError("holds a NUL character")
+        return value
 
 
 class AgentSection(_Section):
@@ -98,11 +115,27 @@ class ExporterSection(_Section):
         le=3600,
         description="Length of the window behind the *_window_mean and *_window_max families.",
     )
+    web_config_file: Path | None = Field(
+        default=None,
+        description="Prometheus-style web configuration file (TLS, basic auth); unset: plain HTTP.",
+    )
 
     @field_validator("listen")
     @classmethod
     def _listen_is_host_port(cls, value: str) -> str:
         parse_listen(value)
+        return value
+
+    @field_validator("web_config_file")
+    @classmethod
+    def _web_config_parses(cls, value: Path | None) -> Path | None:
+        """Structure, values and the files it names; the key itself is read by `config check`
+        and by the server only, so that other commands need no access to it."""
+        if value is not None:
+            try:
+                webconfig.load(value)
+            except webconfig.WebConfigError as exc:
+                raise ValueError(str(exc)) from None
         return value
 
 
@@ -162,11 +195,17 @@ class ProbePlanEntry(_Section):
         default="default", description="Problem size: chosen from the device, or small."
     )
     interval_seconds: float | None = Field(
-        default=None, gt=0, description="Run every this many seconds (or give `cron`)."
+        default=None,
+        gt=0,
+        le=YEAR_SECONDS,
+        description="Run every this many seconds (or give `cron`).",
     )
     cron: str | None = Field(default=None, description="Crontab expression (5 fields), UTC.")
     jitter_seconds: float = Field(
-        default=300.0, ge=0, description="Random delay added to each start, spreading a fleet."
+        default=300.0,
+        ge=0,
+        le=DAY_SECONDS,
+        description="Random delay added to each start, spreading a fleet.",
     )
 
     @field_validator("cron")
@@ -214,7 +253,10 @@ class ProbingSection(_Section):
         description="Most probe time per device over the last hour, as a share of wall time.",
     )
     initial_delay_seconds: float = Field(
-        default=120.0, ge=0, description="Wait this long after start-up before the first probe."
+        default=120.0,
+        ge=0,
+        le=DAY_SECONDS,
+        description="Wait this long after start-up before the first probe.",
     )
     busy_gpu_utilization: float = Field(
         default=0.05,
@@ -254,6 +296,7 @@ class StackSection(_Section):
     interval_seconds: float = Field(
         default=600.0,
         ge=10,
+        le=YEAR_SECONDS,
         description="How often the stack is read again (it is also read after every probe run).",
     )
     container_image: str | None = Field(
@@ -267,7 +310,7 @@ class DriftSection(_Section):
         default=True, description="Look for drift in this node's probe results on a schedule."
     )
     interval_seconds: float = Field(
-        default=3600.0, ge=10, description="How often the drift detection runs."
+        default=3600.0, ge=10, le=YEAR_SECONDS, description="How often the drift detection runs."
     )
     window: int = Field(
         default=50, ge=8, le=1000, description="Results per window of the change-point detection."
@@ -417,31 +460,55 @@ def _settings_class(file_data: Mapping[str, Any], use_env: bool) -> type[Setting
     return Loaded
 
 
+MAX_CONFIG_BYTES = 1 << 20  # a longer file is no configuration (or is a device: /dev/zero)
+MAX_PROBLEM_CHARS = 200  # of a value or message quoted in a problem line
+
+
+def _one_line(text: str, limit: int | None = MAX_PROBLEM_CHARS) -> str:
+    """``text`` for a problem line: escaped where unprintable, cut to ``limit`` characters."""
+    if not text.isprintable():
+        text = repr(text)[1:-1]
+    return text if limit is None or len(text) <= limit else text[:limit] + "..."
+
+
 def read_toml(path: Path) -> dict[str, Any]:
     """Parse a TOML file; syntax errors become a ConfigError naming the file and line."""
+    name = _one_line(str(path), limit=None)
     try:
         with path.open("rb") as handle:
-            return tomllib.load(handle)
+            data = handle.read(MAX_CONFIG_BYTES + 1)
     except FileNotFoundError:
-        raise ConfigError([f"{path}: no such file"]) from None
-    except (PermissionError, IsADirectoryError) as exc:
-        raise ConfigError([f"{path}: cannot read: {exc.strerror}"]) from None
+        raise ConfigError([f"{name}: no such file"]) from None
+    except OSError as exc:
+        raise ConfigError([f"{name}: cannot read: {exc.strerror or exc}"]) from None
+    if len(data) > MAX_CONFIG_BYTES:
+        raise ConfigError([f"{name}: larger than {MAX_CONFIG_BYTES >> 20} MiB"])
+    try:
+        return tomllib.loads(data.decode())
     except UnicodeDecodeError:
-        raise ConfigError([f"{path}: not UTF-8 text"]) from None
+        raise ConfigError([f"{name}: not UTF-8 text"]) from None
     except tomllib.TOMLDecodeError as exc:
-        raise ConfigError([f"{path}: TOML syntax error: {exc}"]) from None
+        # The message may quote a key of any length; what it ends with says where.
+        what, at, where = str(exc).rpartition(" (at ")
+        detail = f"{_one_line(what)}{at}{where}" if at else _one_line(str(exc))
+        raise ConfigError([f"{name}: TOML syntax error: {detail}"]) from None
+    except ValueError as exc:  # int()'s digit limit, which tomllib does not wrap
+        raise ConfigError([f"{name}: unusable value: {_one_line(str(exc))}"]) from None
+    except RecursionError:
+        raise ConfigError([f"{name}: arrays or tables nested too deeply"]) from None
 
 
 def _problem_lines(error: ValidationError) -> list[str]:
     lines = []
     for item in error.errors():
-        key = ".".join(str(part) for part in item["loc"]) or "(top level)"
+        # Keys, messages and values come from the file: each is cut short and kept on one line.
+        key = ".".join(_one_line(str(part)) or '""' for part in item["loc"]) or "(top level)"
         if item["type"] == "extra_forbidden":
             lines.append(f"{key}: unknown key")
             continue
-        message = item["msg"].removeprefix("Value error, ")
+        message = _one_line(item["msg"].removeprefix("Value error, "))
         if item["type"] not in ("missing",):
-            message += f" (got {item['input']!r})"
+            message += f" (got {_one_line(repr(item['input']))})"
         lines.append(f"{key}: {message}")
     return lines
 
@@ -457,6 +524,8 @@ def load(
     ``overrides`` are section -> key -> value, as given by command-line flags.
     """
     file_data = read_toml(path) if path is not None else {}
+    if path is not None:
+        _warn_if_exposed(path, file_data)
     settings_cls = _settings_class(file_data, use_env)
     try:
         # Sections go in as plain dicts; pydantic validates them (mypy sees only the
@@ -468,12 +537,49 @@ def load(
         raise ConfigError(_problem_lines(exc)) from None
 
 
-def check_file(path: Path) -> list[str]:
-    """Every problem of one config file on its own (the environment is not consulted)."""
+def _warn_if_exposed(path: Path, file_data: Mapping[str, Any]) -> None:
+    """One line on standard error when a file that others may read holds a database password.
+
+    Printed, not logged: the file is read before logging is set up, by every command.
+    """
+    archive = file_data.get("archive")
+    url = archive.get("database_url") if isinstance(archive, dict) else None
+    if not isinstance(url, str):
+        return
     try:
-        load(path, use_env=False)
+        password = make_url(url).password
+    except ArgumentError:
+        return  # reported as a problem of its own
+    try:
+        mode = path.stat().st_mode
+    except OSError:
+        return
+    if password and mode & 0o044:
+        print(
+            f"sustain: warning: config file {path} is readable by others and holds a database "
+            "password; chmod 600 it (or set the password in the environment: docs/security.md)",
+            file=sys.stderr,
+        )
+
+
+def check_file(path: Path) -> list[str]:
+    """Every problem of one config file on its own (the environment is not consulted).
+
+    Beyond ``load``, the TLS certificate and key of the web configuration file are loaded, so
+    that a key that does not match its certificate is found here, not at the next restart.
+    """
+    try:
+        settings = load(path, use_env=False)
     except ConfigError as exc:
         return exc.problems
+    web_config_file = settings.exporter.web_config_file
+    if web_config_file is not None:
+        try:
+            tls = webconfig.load(web_config_file).tls
+            if tls is not None:
+                webconfig.server_context(tls)
+        except webconfig.WebConfigError as exc:
+            return [f"exporter.web_config_file: {exc} (got {str(web_config_file)!r})"]
     return []
 
 

@@ -164,7 +164,12 @@ class Agent:
         ProcessCollector(namespace="sustain", registry=registry)
         host, port = settings.listen_address
         try:
-            self.server = ExporterServer(host, port, ExporterApp(registry, self.loop_statuses))
+            self.server = ExporterServer(
+                host,
+                port,
+                ExporterApp(registry, self.loop_statuses),
+                web_config_file=settings.exporter.web_config_file,
+            )
         except ListenError as exc:
             self._engine.dispose()
             raise StartupError(str(exc)) from None

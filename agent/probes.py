@@ -14,6 +14,7 @@ import json
 import logging
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -21,11 +22,12 @@ import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import IO, Any, Literal, NoReturn
 
 from collectors.base import Sample
+from collectors.stack import CREDENTIAL_WORDS
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +36,7 @@ OUTCOMES: tuple[Outcome, ...] = ("ok", "failed", "timeout", "unsupported", "skip
 
 STDERR_LINES = 20
 MAX_LINE_BYTES = 1 << 20  # a longer stdout line is not a protocol line
+STDERR_LINE_BYTES = 4096  # of a longer stderr line the tail keeps the start
 KILL_GRACE_SECONDS = 2.0
 
 # What a probe child inherits from the agent: enough to find CUDA and run torch, nothing else
@@ -135,8 +138,16 @@ def skipped(spec: ProbeSpec, reason: str) -> ProbeRun:
 
 
 def child_environment(device: ProbeDevice, base: Mapping[str, str] | None = None) -> dict[str, str]:
-    """The allow-listed part of ``base`` (the agent's environment), and the GPU to use."""
+    """The allow-listed part of ``base`` (the agent's environment), and the GPU to use.
+
+    A prefix lets through whatever a deployment put under it (``CUDA_API_TOKEN``), so a name
+    that reads like a credential is dropped even when allowed, and so is a value holding a URL
+    with user information (``scheme://user:password@host``): probe children run torch, compilers
+    and user-chosen interpreters, and need neither. NCCL_IB_PKEY is an InfiniBand partition key,
+    not a secret, and all-reduce probes on partitioned fabrics need it.
+    """
     source = os.environ if base is None else base
+    not_credentials = ("NCCL_IB_PKEY",)
     env = {
         name: value
         for name, value in source.items()
@@ -144,6 +155,8 @@ def child_environment(device: ProbeDevice, base: Mapping[str, str] | None = None
             name == allowed or (allowed.endswith("_") and name.startswith(allowed))
             for allowed in CHILD_ENV_ALLOW
         )
+        and (name in not_credentials or not any(word in name.upper() for word in CREDENTIAL_WORDS))
+        and not re.search(r"[a-z][a-z0-9+.-]*://[^/?#\s]*@", value, re.IGNORECASE)
     }
     env["PYTHONUNBUFFERED"] = "1"
     if device.kind == "cuda":
@@ -153,8 +166,82 @@ def child_environment(device: ProbeDevice, base: Mapping[str, str] | None = None
     return env
 
 
+_LARGEST_INT = int(sys.float_info.max)
+
+
+def _json_constant(name: str) -> NoReturn:
+    raise ValueError(f"{name} is not JSON")  # NaN, Infinity: the child writes allow_nan=False
+
+
+def _json_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"{text} does not fit a float")
+    return value
+
+
+def _json_int(text: str) -> int:
+    value = int(text)  # a ValueError past int()'s digit limit
+    if abs(value) > _LARGEST_INT:
+        raise ValueError("an integer that does not fit a float")
+    return value
+
+
+_NUMBER = (int, float)
+# What the agent reads of each line, and the JSON types it must have where present (null is
+# allowed): a line that breaks this is junk, counted, never trusted. Numbers of a result are
+# also non-negative.
+_FIELD_TYPES: dict[str, dict[str, tuple[type, ...]]] = {
+    "manifest": {
+        "workload": (str,),
+        "unit": (str,),
+        "work_unit": (str,),
+        "device_name": (str,),
+        "torch": (str,),
+        "python": (str,),
+        "kernel": (str,),
+        "threads": (int,),
+        "backends": (dict,),
+        "shapes": (dict,),
+        "parameters": (dict,),
+    },
+    "result": {
+        "iterations": (int,),
+        "duration": _NUMBER,
+        "elapsed": _NUMBER,
+        "work": _NUMBER,
+        "throughput": _NUMBER,
+        "prefill_tokens_per_second": _NUMBER,
+        "decode_tokens_per_second": _NUMBER,
+        "kernel": (str,),
+        "phases": (dict,),
+        "latency_seconds": (dict,),
+    },
+    "unsupported": {"reason": (str,)},
+}
+
+
+def _fits(message: Mapping[str, Any], event: str) -> bool:
+    for name, types in _FIELD_TYPES[event].items():
+        value = message.get(name)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, types):
+            return False
+        if event == "result" and isinstance(value, _NUMBER) and value < 0:
+            return False
+    return True
+
+
 class _Protocol:
-    """Parses the child's stdout lines; tolerant of junk, which it counts instead of trusting."""
+    """Parses the child's stdout lines; tolerant of junk, which it counts instead of trusting.
+
+    Junk is anything but one JSON object per line as workloads/README.md describes it: a line
+    that is not JSON (binary, another encoding, truncated, too long, nested too deeply), NaN or
+    Infinity anywhere (the child never writes them), a number no float can hold, an unknown
+    event, a field of the wrong type, an iteration that ends before it starts or has negative
+    work. ``feed`` never raises on what the child wrote.
+    """
 
     def __init__(self, on_iteration: Callable[[Iteration], None] | None) -> None:
         self.manifest: dict[str, Any] | None = None
@@ -165,20 +252,10 @@ class _Protocol:
         self._on_iteration = on_iteration
 
     def feed(self, raw: bytes) -> None:
-        if len(raw) > MAX_LINE_BYTES:
+        message = self._parse(raw)
+        event = None if message is None else message.get("event")
+        if message is None or event not in ("manifest", "iteration", "result", "unsupported"):
             self.errors += 1
-            return
-        try:
-            message = json.loads(raw)
-        except (ValueError, UnicodeDecodeError):
-            self.errors += 1
-            return
-        if not isinstance(message, dict):
-            self.errors += 1
-            return
-        event = message.get("event")
-        if event == "manifest":
-            self.manifest = message
         elif event == "iteration":
             iteration = self._iteration(message)
             if iteration is None:
@@ -187,24 +264,62 @@ class _Protocol:
             self.iterations.append(iteration)
             if self._on_iteration is not None:
                 self._on_iteration(iteration)
+        elif not _fits(message, event):
+            self.errors += 1
+        elif event == "manifest":
+            self.manifest = message
         elif event == "result":
             self.result = message
-        elif event == "unsupported":
-            self.unsupported = str(message.get("reason") or "unsupported")
         else:
-            self.errors += 1
+            # The reason becomes the run's: one printable line, of a bounded length.
+            reason = " ".join(str(message.get("reason") or "").split())
+            if not reason.isprintable():
+                reason = repr(reason)[1:-1]
+            self.unsupported = reason[:500] or "unsupported"
+
+    @staticmethod
+    def _parse(raw: bytes) -> dict[str, Any] | None:
+        if len(raw) > MAX_LINE_BYTES:
+            return None
+        try:
+            message = json.loads(
+                raw,
+                parse_constant=_json_constant,
+                parse_float=_json_float,
+                parse_int=_json_int,
+            )
+        except (ValueError, RecursionError):  # UnicodeDecodeError is a ValueError
+            return None
+        return message if isinstance(message, dict) else None
 
     @staticmethod
     def _iteration(message: Mapping[str, Any]) -> Iteration | None:
-        try:
-            index = int(message["index"])
-            start, end, work = (float(message[k]) for k in ("start", "end", "work"))
-        except (KeyError, TypeError, ValueError):
-            return None
-        if not all(math.isfinite(v) for v in (start, end, work)) or end < start or work < 0:
-            return None
+        index = message.get("index")
         phase = message.get("phase")
-        return Iteration(index, start, end, work, phase if isinstance(phase, str) else None)
+        if isinstance(index, bool) or not isinstance(index, int) or index < 0:
+            return None
+        if phase is not None and not isinstance(phase, str):
+            return None
+        values: list[float] = []
+        for name in ("start", "end", "work"):
+            value = message.get(name)
+            if isinstance(value, bool) or not isinstance(value, _NUMBER):
+                return None
+            values.append(float(value))
+        start, end, work = values
+        if not all(math.isfinite(v) for v in values) or end < start or work < 0:
+            return None
+        return Iteration(index, start, end, work, phase)
+
+
+def _lines(stream: IO[bytes], limit: int) -> Iterator[bytes]:
+    """The lines of ``stream``; of a line longer than ``limit`` bytes only the first
+    ``limit + 1`` come (newline included where it fits), the rest is read and dropped in
+    pieces, so a child that writes gigabytes without a newline costs no memory."""
+    while raw := stream.readline(limit + 1):
+        yield raw
+        while len(raw) > limit and not raw.endswith(b"\n"):
+            raw = stream.readline(limit + 1)
 
 
 class ProbeRunner:
@@ -325,13 +440,13 @@ class ProbeRunner:
     @staticmethod
     def _read_stdout(process: subprocess.Popen[bytes], protocol: _Protocol) -> None:
         assert process.stdout is not None
-        for raw in process.stdout:
+        for raw in _lines(process.stdout, MAX_LINE_BYTES):
             protocol.feed(raw)
 
     @staticmethod
     def _read_stderr(process: subprocess.Popen[bytes], tail: deque[str]) -> None:
         assert process.stderr is not None
-        for raw in process.stderr:
+        for raw in _lines(process.stderr, STDERR_LINE_BYTES):
             line = raw.decode(errors="replace").rstrip()
             if line:
                 tail.append(line[:500])

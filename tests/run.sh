@@ -7,10 +7,13 @@ cd "$(dirname "$0")/.."
 
 # System tools the tests run for real: promtool and the Prometheus server (rules, dashboards, the
 # end-to-end scrape), shellcheck (the container entrypoint), initdb/pg_ctl (a private PostgreSQL
-# instance that a test stops and starts; PostgreSQL's own package provides them).
+# instance that a test stops and starts; PostgreSQL's own package provides them), openssl (test
+# certificates for the exporter's TLS), systemd-analyze (the unit file).
 missing=()
 command -v promtool >/dev/null || missing+=(prometheus)
 command -v shellcheck >/dev/null || missing+=(shellcheck)
+command -v openssl >/dev/null || missing+=(openssl)
+command -v systemd-analyze >/dev/null || missing+=(systemd)
 if [ "${#missing[@]}" -gt 0 ]; then
   if [ "$(id -u)" -eq 0 ]; then
     apt-get update -qq
