@@ -1,7 +1,8 @@
 """A user's series file for `sustain analyze`: CSV with a header, a JSON array, or JSON lines.
 
 Every problem becomes a `SeriesInputError` whose message is one line naming the file and the
-line (or array element) at fault, so the CLI can print it as is and exit 2.
+line (or array element) at fault, so the CLI can print it as is and exit 2. What a message quotes
+from the file is escaped (no line breaks) and cut short.
 """
 
 from __future__ import annotations
@@ -20,6 +21,14 @@ from agent.analysis.steady import DEFAULT_TOLERANCE, analyze, analyze_durations
 
 Kind = Literal["duration", "throughput"]
 
+# Values outside this range are no plausible duration or throughput in any unit, and the analysis
+# (reciprocals, sums and squares of the series) overflows on values far outside it.
+SMALLEST_VALUE = 1e-30
+LARGEST_VALUE = 1e30
+MAX_FILE_BYTES = 256 << 20  # a longer file is no series (or is a device such as /dev/zero)
+MAX_SHOWN = 60  # characters of the file that a message quotes
+MAX_NAMES_SHOWN = 120  # characters of the column or field names that a message lists
+
 
 class SeriesInputError(ValueError):
     """A series file that cannot be read as a series of positive finite numbers."""
@@ -29,22 +38,32 @@ def read_series(
     path: Path, column: str | None = None, kind: Kind = "duration"
 ) -> NDArray[np.float64]:
     """The values of `column` (or of the only numeric column) in file order."""
+    name = _text(str(path), limit=None)
     try:
-        text = path.read_text(encoding="utf-8")
+        with path.open("rb") as handle:
+            data = handle.read(MAX_FILE_BYTES + 1)
     except FileNotFoundError:
-        raise SeriesInputError(f"{path}: no such file") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise SeriesInputError(f"{path}: cannot read: {e}") from None
+        raise SeriesInputError(f"{name}: no such file") from None
+    except OSError as e:
+        raise SeriesInputError(f"{name}: cannot read: {e.strerror or e}") from None
+    if len(data) > MAX_FILE_BYTES:
+        raise SeriesInputError(f"{name}: larger than {MAX_FILE_BYTES >> 20} MiB")
+    try:
+        text = data.decode("utf-8-sig")  # a byte order mark is no part of the first name
+    except UnicodeDecodeError as e:
+        raise SeriesInputError(
+            f"{name}: not UTF-8 text (byte {data[e.start]:#04x} at offset {e.start})"
+        ) from None
     stripped = text.lstrip()
     if stripped.startswith("["):
-        pairs = _json_array(path, stripped, column)
+        pairs = _json_array(name, stripped, column)
     elif stripped.startswith("{"):
-        pairs = _json_lines(path, text, column)
+        pairs = _json_lines(name, text, column)
     else:
-        pairs = _csv(path, text, column)
+        pairs = _csv(name, text, column)
     if not pairs:
-        raise SeriesInputError(f"{path}: no values")
-    values = [_number(path, where, raw, kind) for where, raw in pairs]
+        raise SeriesInputError(f"{name}: no values")
+    values = [_number(name, where, raw, kind) for where, raw in pairs]
     return np.asarray(values, dtype=np.float64)
 
 
@@ -60,81 +79,140 @@ def analyze_file(
     return analyze(values, tolerance=tolerance)
 
 
-def _pick(path: Path, where: str, row: dict[str, object], column: str | None) -> object:
+def _text(text: str, limit: int | None = MAX_SHOWN) -> str:
+    """Text from the file for a one-line message: escaped where it holds line breaks or other
+    unprintable characters, and cut to `limit` characters."""
+    if not text.isprintable():
+        text = repr(text)[1:-1]
+    return text if limit is None or len(text) <= limit else text[:limit] + "..."
+
+
+def _shown(raw: object) -> str:
+    """A value from the file as a message quotes it: its repr (one line), cut short."""
+    if isinstance(raw, list):
+        return "an array"
+    if isinstance(raw, dict):
+        return "an object"
+    text = repr(raw)
+    return text if len(text) <= MAX_SHOWN else text[:MAX_SHOWN] + "..."
+
+
+def _names(names: list[str]) -> str:
+    shown = _text(", ".join(names), limit=None)
+    if len(shown) <= MAX_NAMES_SHOWN:
+        return shown
+    return f"{shown[:MAX_NAMES_SHOWN]}... ({len(names)} in all)"
+
+
+def _pick(name: str, where: str, row: dict[str, object], column: str | None) -> object:
     if column is not None:
         if column not in row:
-            raise SeriesInputError(f"{path}: {where}: no field {column!r}")
+            raise SeriesInputError(f"{name}: {where}: no field {_shown(column)}")
         return row[column]
+    if not row:
+        raise SeriesInputError(f"{name}: {where}: an object without fields")
     if len(row) != 1:
-        names = ", ".join(sorted(row))
         raise SeriesInputError(
-            f"{path}: {where}: several fields ({names}); choose one with --column"
+            f"{name}: {where}: several fields ({_names(sorted(row))}); choose one with --column"
         )
     return next(iter(row.values()))
 
 
-def _json_array(path: Path, text: str, column: str | None) -> list[tuple[str, object]]:
+def _json_int(text: str) -> int | float:
+    # An integer too long for a float becomes inf, rejected below as not finite, instead of
+    # tripping int()'s digit limit (a ValueError that json does not wrap).
+    return int(text) if len(text) < 20 else float(text)
+
+
+def _parse_json(text: str) -> object:
+    """One JSON value; nesting too deep for the parser is a JSONDecodeError like any other."""
     try:
-        document = json.loads(text)
+        return json.loads(text, parse_int=_json_int)
+    except RecursionError:
+        raise json.JSONDecodeError("nested too deeply", text, 0) from None
+
+
+def _json_array(name: str, text: str, column: str | None) -> list[tuple[str, object]]:
+    try:
+        document = _parse_json(text)
     except json.JSONDecodeError as e:
-        raise SeriesInputError(f"{path}: line {e.lineno}: not valid JSON: {e.msg}") from None
+        raise SeriesInputError(f"{name}: line {e.lineno}: not valid JSON: {e.msg}") from None
+    assert isinstance(document, list)  # the text starts with "["
     pairs: list[tuple[str, object]] = []
     for i, item in enumerate(document):
         where = f"element {i}"
-        pairs.append((where, _pick(path, where, item, column) if isinstance(item, dict) else item))
+        pairs.append((where, _pick(name, where, item, column) if isinstance(item, dict) else item))
     return pairs
 
 
-def _json_lines(path: Path, text: str, column: str | None) -> list[tuple[str, object]]:
+def _json_lines(name: str, text: str, column: str | None) -> list[tuple[str, object]]:
     pairs: list[tuple[str, object]] = []
-    for number, line in enumerate(text.splitlines(), start=1):
+    # Lines end at "\n" alone: a JSON string may hold the other breaks that splitlines() knows.
+    for number, line in enumerate(text.split("\n"), start=1):
         if not line.strip():
             continue
         where = f"line {number}"
         try:
-            item = json.loads(line)
+            item = _parse_json(line)
         except json.JSONDecodeError as e:
-            raise SeriesInputError(f"{path}: {where}: not valid JSON: {e.msg}") from None
-        pairs.append((where, _pick(path, where, item, column) if isinstance(item, dict) else item))
+            raise SeriesInputError(f"{name}: {where}: not valid JSON: {e.msg}") from None
+        pairs.append((where, _pick(name, where, item, column) if isinstance(item, dict) else item))
     return pairs
 
 
-def _csv(path: Path, text: str, column: str | None) -> list[tuple[str, object]]:
+def _csv(name: str, text: str, column: str | None) -> list[tuple[str, object]]:
     rows = csv.reader(text.splitlines())
-    header = next(rows, None)
-    if header is None:
-        return []
-    names = [name.strip() for name in header]
+    try:
+        header = next(rows, None)
+        while header is not None and not any(cell.strip() for cell in header):
+            header = next(rows, None)  # blank lines before the header
+        if header is None:
+            return []
+        names = [cell.strip() for cell in header]
+        index = _column_index(name, f"line {rows.line_num}", names, column)
+        pairs: list[tuple[str, object]] = []
+        for row in rows:
+            if not any(cell.strip() for cell in row):
+                continue
+            where = f"line {rows.line_num}"
+            if index >= len(row):
+                raise SeriesInputError(
+                    f"{name}: {where}: no value in column {_shown(names[index])}"
+                )
+            pairs.append((where, row[index].strip()))
+    except csv.Error as e:  # a field longer than the csv module's limit
+        raise SeriesInputError(f"{name}: line {rows.line_num}: not valid CSV: {e}") from None
+    return pairs
+
+
+def _column_index(name: str, where: str, names: list[str], column: str | None) -> int:
     if column is None:
         if len(names) != 1:
             raise SeriesInputError(
-                f"{path}: line 1: several columns ({', '.join(names)}); choose one with --column"
+                f"{name}: {where}: several columns ({_names(names)}); choose one with --column"
             )
-        index = 0
-    elif column in names:
-        index = names.index(column)
-    else:
-        raise SeriesInputError(f"{path}: line 1: no column {column!r} (have {', '.join(names)})")
-    pairs: list[tuple[str, object]] = []
-    for number, row in enumerate(rows, start=2):
-        if not any(cell.strip() for cell in row):
-            continue
-        where = f"line {number}"
-        if index >= len(row):
-            raise SeriesInputError(f"{path}: {where}: no value in column {names[index]!r}")
-        pairs.append((where, row[index].strip()))
-    return pairs
+        return 0
+    if column not in names:
+        raise SeriesInputError(
+            f"{name}: {where}: no column {_shown(column)} (have {_names(names)})"
+        )
+    return names.index(column)
 
 
-def _number(path: Path, where: str, raw: object, kind: Kind) -> float:
+def _number(name: str, where: str, raw: object, kind: Kind) -> float:
     if isinstance(raw, bool) or not isinstance(raw, int | float | str):
-        raise SeriesInputError(f"{path}: {where}: {raw!r} is not a number")
+        raise SeriesInputError(f"{name}: {where}: {_shown(raw)} is not a number")
     try:
         value = float(raw)
-    except ValueError:
-        raise SeriesInputError(f"{path}: {where}: {raw!r} is not a number") from None
+    except (ValueError, OverflowError):
+        raise SeriesInputError(f"{name}: {where}: {_shown(raw)} is not a number") from None
     if not math.isfinite(value):
-        raise SeriesInputError(f"{path}: {where}: {raw!r} is not a finite number")
+        raise SeriesInputError(f"{name}: {where}: {_shown(raw)} is not a finite number")
     if value <= 0.0:
-        raise SeriesInputError(f"{path}: {where}: {kind} {raw!r} is not positive")
+        raise SeriesInputError(f"{name}: {where}: {kind} {_shown(raw)} is not positive")
+    if not SMALLEST_VALUE <= value <= LARGEST_VALUE:
+        raise SeriesInputError(
+            f"{name}: {where}: {kind} {_shown(raw)} is outside the range the analysis takes "
+            f"({SMALLEST_VALUE:g} to {LARGEST_VALUE:g})"
+        )
     return value
