@@ -17,6 +17,7 @@ from __future__ import annotations
 import base64
 import binascii
 import contextlib
+import gzip
 import hashlib
 import hmac
 import html
@@ -26,14 +27,17 @@ import socket
 import ssl
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from socketserver import ThreadingMixIn
 from typing import Any
+from urllib.parse import parse_qs
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 import bcrypt
-from prometheus_client import CollectorRegistry, make_wsgi_app
+from prometheus_client import CollectorRegistry
+from prometheus_client.exposition import choose_encoder, gzip_accepted
 
 from agent import __version__, webconfig
 from agent.sampler import LoopStatus
@@ -42,6 +46,8 @@ log = logging.getLogger(__name__)
 
 StartResponse = Callable[..., Any]
 Environ = dict[str, Any]
+Header = tuple[str, str]
+CacheKey = tuple[str, bool, tuple[str, ...]]  # content type, gzip, name[] filter
 
 
 class ListenError(Exception):
@@ -265,13 +271,59 @@ def _landing_page(statuses: Sequence[LoopStatus]) -> bytes:
     return page.encode()
 
 
+RENDER_MAX_AGE_SECONDS = 0.5
+
+
+class CachedMetrics:
+    """/metrics rendered at most every RENDER_MAX_AGE_SECONDS per output format.
+
+    Rendering the whole exposition costs milliseconds of CPU (fresh families, window statistics
+    over the ring buffers); several scrapers, or a burst of them, within half a second get the
+    same bytes instead of each paying for a render. The data changes once per sampler poll
+    (1 s by default), so a scraper sees nothing older than it could anyway, give or take half a
+    second. Concurrent misses render once (one lock per format).
+    """
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self._registry = registry
+        self._lock = threading.Lock()
+        self._locks: dict[CacheKey, threading.Lock] = {}
+        self._cache: dict[CacheKey, tuple[float, list[Header], bytes]] = {}
+
+    def __call__(self, environ: Environ, start_response: StartResponse) -> Iterable[bytes]:
+        params = parse_qs(environ.get("QUERY_STRING", ""))
+        accept = environ.get("HTTP_ACCEPT", "")
+        _, content_type = choose_encoder(accept)
+        compressed = gzip_accepted(environ.get("HTTP_ACCEPT_ENCODING", ""))
+        key = (content_type, compressed, tuple(sorted(params.get("name[]", []))))
+        with self._lock:
+            lock = self._locks.setdefault(key, threading.Lock())
+        with lock:
+            now = time.monotonic()
+            cached = self._cache.get(key)
+            if cached is None or now - cached[0] > RENDER_MAX_AGE_SECONDS:
+                encoder, _ = choose_encoder(accept)
+                registry: Any = self._registry
+                if key[2]:
+                    registry = registry.restricted_registry(list(key[2]))
+                body = encoder(registry)
+                headers = [("Content-Type", content_type)]
+                if compressed:
+                    body = gzip.compress(body)
+                    headers.append(("Content-Encoding", "gzip"))
+                cached = (now, headers, body)
+                self._cache[key] = cached
+        start_response("200 OK", cached[1])
+        return [cached[2]]
+
+
 class ExporterApp:
     """Routes the three paths; anything else is 404."""
 
     def __init__(
         self, registry: CollectorRegistry, loops: Callable[[], Sequence[LoopStatus]]
     ) -> None:
-        self._metrics = make_wsgi_app(registry)
+        self._metrics = CachedMetrics(registry)
         self._loops = loops
 
     def __call__(self, environ: Environ, start_response: StartResponse) -> Iterable[bytes]:
