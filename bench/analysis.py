@@ -3,11 +3,13 @@
     .venv/bin/python bench/analysis.py
 
 Series: a warm-up step at 10% of the run, 1% Student-t noise and 1% outliers, the shape of a
-typical probe run. Prints a markdown table of the median of several runs.
+typical probe run. Prints a markdown table of the median of several runs, and as its last line
+`RESULT {json}` for bench/run_all.py.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import statistics
 import time
@@ -34,6 +36,7 @@ def series(n: int, seed: int) -> NDArray[np.float64]:
 def main() -> None:
     print("| n | median ms | min ms | max ms | target ms | classification |")
     print("|---|---|---|---|---|---|")
+    figures = []
     for n, target in TARGETS_MS.items():
         times = []
         result = None
@@ -47,6 +50,17 @@ def main() -> None:
             f"| {n} | {statistics.median(times):.1f} | {min(times):.1f} | {max(times):.1f} "
             f"| {target:.0f} | {result.classification.value} |"
         )
+        figures.append(
+            {
+                "n": n,
+                "median_ms": statistics.median(times),
+                "min_ms": min(times),
+                "max_ms": max(times),
+                "target_ms": target,
+                "classification": result.classification.value,
+            }
+        )
+    print("RESULT " + json.dumps({"runs": RUNS, "sizes": figures}, sort_keys=True))
 
 
 if __name__ == "__main__":

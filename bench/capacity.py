@@ -14,7 +14,7 @@ on the development server (127.0.0.1:5432, user postgres, as the tests use it), 
 end. Both are migrated with ``agent.archive.database.upgrade`` and loaded in one transaction
 (executemany in chunks on SQLite, COPY on PostgreSQL); PostgreSQL is then vacuumed and analysed,
 as its autovacuum would have done in a live archive. Prints a markdown table of the best of three
-wall times of each query.
+wall times of each query, and as its last line `RESULT {json}` for bench/run_all.py.
 """
 
 from __future__ import annotations
@@ -297,7 +297,10 @@ def measure(engine: Engine, now: datetime) -> list[tuple[float, int]]:
     return figures
 
 
-def bench_backend(backend: str, total: int, now: datetime, work: Path) -> list[tuple[float, int]]:
+def bench_backend(
+    backend: str, total: int, now: datetime, work: Path
+) -> tuple[float, list[tuple[float, int]]]:
+    """The load time and the figures of each query."""
     admin: Engine | None = None
     name = f"sustain_bench_{uuid.uuid4().hex[:12]}"
     if backend == "sqlite":
@@ -315,8 +318,9 @@ def bench_backend(backend: str, total: int, now: datetime, work: Path) -> list[t
             load_sqlite(engine, runs(total, now))
         else:
             load_postgresql(engine, runs(total, now))
-        print(f"{backend}: loaded in {time.perf_counter() - started:.0f} s", file=sys.stderr)
-        return measure(engine, now)
+        loaded = time.perf_counter() - started
+        print(f"{backend}: loaded in {loaded:.0f} s", file=sys.stderr)
+        return loaded, measure(engine, now)
     finally:
         engine.dispose()
         if admin is not None:
@@ -334,9 +338,12 @@ def main() -> int:
     args = parser.parse_args()
     now = datetime.now(UTC)
     figures: dict[str, list[tuple[float, int]]] = {}
+    load_seconds: dict[str, float] = {}
     with tempfile.TemporaryDirectory() as work:
         for backend in args.backend:
-            figures[backend] = bench_backend(backend, args.results, now, Path(work))
+            load_seconds[backend], figures[backend] = bench_backend(
+                backend, args.results, now, Path(work)
+            )
     print(
         f"machine: {platform.machine()}, {os.cpu_count()} cpus, Python "
         f"{platform.python_version()}, SQLAlchemy {sqlalchemy.__version__}; "
@@ -347,6 +354,20 @@ def main() -> int:
     for index, (label, _) in enumerate(queries(now)):
         cells = " | ".join(f"{figures[backend][index][0]:.3f}" for backend in args.backend)
         print(f"| `{label}` | {cells} | {figures[args.backend[0]][index][1]} |")
+    result = {
+        "results": args.results,
+        "repeats": REPEATS,
+        "target_s": TARGET_S,
+        "load_seconds": load_seconds,
+        "backends": {
+            backend: [
+                {"query": label, "seconds": seconds, "rows": rows}
+                for (label, _), (seconds, rows) in zip(queries(now), figures[backend], strict=True)
+            ]
+            for backend in args.backend
+        },
+    }
+    print("RESULT " + json.dumps(result, sort_keys=True))
     return 0
 
 

@@ -6,11 +6,14 @@ temporary directory, rollups every minute), waits until it serves metrics, scrap
 Targets (issue 2): at most 1 % of one core and at most 100 MB RSS.
 
     .venv/bin/python bench/overhead.py [--seconds 60]
+
+The last line is `RESULT {json}` for bench/run_all.py.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import platform
 import signal
@@ -106,6 +109,16 @@ def main() -> int:
     print(f"cpu: {cpu:.2f} s = {100 * cpu / wall:.2f} % of one core (target <= 1 %)")
     print(f"rss: {rss / 2**20:.1f} MiB at the end, peak {peak / 2**20:.1f} MiB (target <= 100 MB)")
     print(f"exit code after SIGTERM: {code}")
+    result = {
+        "seconds": wall,
+        "scrapes": scrapes,
+        "cpu_seconds": cpu,
+        "cpu_percent": 100 * cpu / wall,
+        "rss_end_mib": rss / 2**20,
+        "rss_peak_mib": peak / 2**20,
+        "exit_code": code,
+    }
+    print("RESULT " + json.dumps(result, sort_keys=True))
     return 0 if code == 0 else 1
 
 

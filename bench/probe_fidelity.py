@@ -15,13 +15,15 @@ throttling, drift) into a statement about the probe. So, on this machine's CPU:
 
 The machine is shared and its speed wanders: each comparison is made in several rounds, each
 reference measured just before and just after its probe run, and judged on the median ratio.
-Target >= 0.95, at least 0.90. Prints a markdown table with the machine and versions.
+Target >= 0.95, at least 0.90. Prints a markdown table with the machine and versions, and as its
+last line `RESULT {json}` for bench/run_all.py.
 
-    .venv/bin/python bench/probe_fidelity.py    # about 5 minutes
+    .venv/bin/python bench/probe_fidelity.py [--rounds 3]    # about 5 minutes with 3 rounds
 """
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import json
 import os
@@ -204,9 +206,10 @@ def membw_round(array_bytes: int, threads: int) -> Round:
     return Round(steady(rates(iterations, "copy")), figures, manifest, iterations)
 
 
-def report(title: str, unit: tuple[str, float], rounds: list[Round]) -> None:
+def report(title: str, unit: tuple[str, float], rounds: list[Round]) -> list[dict[str, Any]]:
     """One row per reference: every round's ratio, and the verdict on their median."""
     symbol, scale = unit
+    rows: list[dict[str, Any]] = []
     for name in rounds[0].references:
         ratios = [r.probe / r.references[name] for r in rounds]
         median = statistics.median(ratios)
@@ -216,15 +219,31 @@ def report(title: str, unit: tuple[str, float], rounds: list[Round]) -> None:
             f"| {title} | {probes} {symbol} | {name} | {figures} {symbol} "
             f"| {', '.join(f'{x:.3f}' for x in ratios)} | **{median:.3f}** | {verdict(median)} |"
         )
+        rows.append(
+            {
+                "probe": title,
+                "reference": name,
+                "probe_steady": [r.probe for r in rounds],
+                "reference_figures": [r.references[name] for r in rounds],
+                "unit": symbol,
+                "ratios": ratios,
+                "median_ratio": median,
+                "verdict": verdict(median),
+            }
+        )
+    return rows
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=ROUNDS, help="probe runs of each workload")
+    rounds = parser.parse_args().rounds
     threads = torch.get_num_threads()
     load_before = os.getloadavg()[0]
-    matmul = [matmul_round() for _ in range(ROUNDS)]
+    matmul = [matmul_round() for _ in range(rounds)]
     # The probe's array size, by the rule the probe applies (checked against its manifest).
     array_bytes = Membw.array_bytes(probe_device("cpu"))
-    membw = [membw_round(array_bytes, threads) for _ in range(ROUNDS)]
+    membw = [membw_round(array_bytes, threads) for _ in range(rounds)]
 
     side = matmul[0].manifest["parameters"]["m"]
     cache = membw[0].manifest["parameters"]["cache_bytes"]
@@ -234,19 +253,28 @@ def main() -> None:
         f"{cache / 2**20:.0f} MiB, {' '.join(platform.libc_ver())}. "
         f"Python {platform.python_version()}, torch {torch.__version__}, numpy {np.__version__}. "
         f"Load average (1 min) {load_before:.2f} at the start, {os.getloadavg()[0]:.2f} at the "
-        f"end. {ROUNDS} rounds, each a {PROBE_SECONDS:.0f} s probe run with its references "
+        f"end. {rounds} rounds, each a {PROBE_SECONDS:.0f} s probe run with its references "
         "measured just before and just after it (averaged); the verdict is on the median ratio.\n"
     )
     print("| probe | probe steady | reference | reference | ratio | median | verdict |")
     print("|---|---|---|---|---|---|---|")
-    report(f"matmul fp32 {side}^3", ("GFLOP/s", 1e9), matmul)
-    report(f"membw copy, {array_bytes / 2**20:.0f} MiB arrays", ("GB/s", 1e9), membw)
+    rows = report(f"matmul fp32 {side}^3", ("GFLOP/s", 1e9), matmul)
+    rows += report(f"membw copy, {array_bytes / 2**20:.0f} MiB arrays", ("GB/s", 1e9), membw)
     for index, r in enumerate(matmul, 1):
         assert r.sweep is not None
         figures = ", ".join(f"{n}: {f / 1e9:.1f}" for n, f in r.sweep.items())
         print(f"\nmatmul sweep, round {index} (GFLOP/s): {figures}")
     triad = ", ".join(f"{steady(rates(r.iterations, 'triad')) / 1e9:.1f}" for r in membw)
     print(f"\nmembw triad, per round: {triad} GB/s")
+    result = {
+        "rounds": rounds,
+        "torch_threads": threads,
+        "target": TARGET,
+        "floor": FLOOR,
+        "load_average": [load_before, os.getloadavg()[0]],
+        "rows": rows,
+    }
+    print("RESULT " + json.dumps(result, sort_keys=True))
 
 
 if __name__ == "__main__":

@@ -7,12 +7,15 @@ the whole process (sampler and XID threads) as % of one core. Target (issue 3): 
 more or less, so take the result as the agent's side of the bill.
 
     .venv/bin/python bench/sampler.py [--gpus 8] [--seconds 30] [--rates 1 10]
+
+The last line is `RESULT {json}` for bench/run_all.py.
 """
 
 from __future__ import annotations
 
 import argparse
 import ctypes
+import json
 import os
 import platform
 import sys
@@ -88,9 +91,20 @@ def main() -> int:
         )
         print("| rate | polls | CPU, % of one core | CPU per poll (all GPUs) |")
         print("|------|-------|--------------------|-------------------------|")
+        figures = []
         for rate in args.rates:
             percent, polls, per_poll = measure(args.gpus, rate, args.seconds)
             print(f"| {rate:g} Hz | {polls} | {percent:.2f} % | {per_poll:.2f} ms |")
+            figures.append(
+                {
+                    "rate_hz": rate,
+                    "polls": polls,
+                    "cpu_percent": percent,
+                    "cpu_per_poll_ms": per_poll,
+                }
+            )
+    result = {"gpus": args.gpus, "seconds": args.seconds, "rates": figures}
+    print("RESULT " + json.dumps(result, sort_keys=True))
     return 0
 
 
