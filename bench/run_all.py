@@ -56,7 +56,7 @@ STEPS = (
     Step("overhead", "overhead.py", (), ("--seconds", "20"), 600),
     Step("sampler_1", "sampler.py", ("--gpus", "1"), ("--gpus", "1", "--seconds", "10"), 600),
     Step("sampler_8", "sampler.py", ("--gpus", "8"), ("--gpus", "8", "--seconds", "10"), 600),
-    Step("scrape", "scrape.py", (), ("--seconds", "15", "--rest-requests", "50"), 600),
+    Step("scrape", "scrape.py", (), ("--seconds", "15", "--rest-requests", "20"), 600),
     Step("analysis", "analysis.py", (), (), 600),
     Step("ingest", "ingest.py", (), ("--batches", "20", "--runs", "50"), 1200),
     Step("capacity", "capacity.py", (), ("--results", "100000"), 3600),
@@ -196,7 +196,7 @@ def scrape_rows(r: dict[str, Any]) -> Iterator[Row]:
     name = f"scrape /metrics, {r['gpus']} fake GPUs, {r['body_bytes'] / 1024:.0f} KiB (`scrape.py`)"
     yield (
         name,
-        f"latency at rest, {rest['requests']} sequential requests",
+        f"latency at rest, {rest['requests']} requests {rest.get('gap_s', 0.1):g} s apart",
         f"p50 {rest['p50_ms']:.1f} ms, p99 {rest['p99_ms']:.1f} ms",
         "",
         "",

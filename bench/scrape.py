@@ -3,13 +3,15 @@
 Starts `sustain run` with the fake NVML driver (tests/fakenvml, built with gcc; --gpus fake H100s
 in a steady scenario), the fixture sysfs tree for the host collector (so the exposition is the
 same on every machine), and probing and drift off. At rest: --rest-requests sequential requests,
-one every 100 ms. Under load: --threads threads of http.client clients on one shared schedule of
---rate requests/s for --seconds (a thread that is behind sends at once, so the load offered never
-falls below what the agent answers); the exporter speaks HTTP/1.0, so each request is a new
-connection. Latency is from sending the request to the last byte of the body. Also reported: the
-achieved rate, the agent's CPU as % of one core, and the worst sampler lag seen in the bodies.
+--rest-gap apart (1 s: as a Prometheus server's scrapes are, seconds apart, so that none is
+answered from a rendering the exporter made for an earlier one). Under load: --threads threads
+of http.client clients on one shared schedule of --rate requests/s for --seconds (a thread that
+is behind sends at once, so the load offered never falls below what the agent answers); the
+exporter speaks HTTP/1.0, so each request is a new connection. Latency is from sending the
+request to the last byte of the body. Also reported: the achieved rate, the agent's CPU as % of
+one core, and the worst sampler lag seen in the bodies.
 
-    .venv/bin/python bench/scrape.py [--gpus 2] [--seconds 30] [--rate 200] [--rest-requests 100]
+    .venv/bin/python bench/scrape.py [--gpus 2] [--seconds 30] [--rate 200] [--rest-requests 60]
 """
 
 from __future__ import annotations
@@ -177,7 +179,8 @@ def main() -> int:
     parser.add_argument("--seconds", type=float, default=30.0, help="length of the load")
     parser.add_argument("--rate", type=float, default=TARGET_RATE, help="requests/s offered")
     parser.add_argument("--threads", type=int, default=8)
-    parser.add_argument("--rest-requests", type=int, default=100)
+    parser.add_argument("--rest-requests", type=int, default=60)
+    parser.add_argument("--rest-gap", type=float, default=1.0, help="seconds between them")
     args = parser.parse_args()
 
     with tempfile.TemporaryDirectory() as work_dir:
@@ -209,7 +212,7 @@ def main() -> int:
         try:
             wait_ready(port, process)
             time.sleep(2)  # a few polls' worth of windows
-            rest = at_rest(port, args.rest_requests, 0.1)
+            rest = at_rest(port, args.rest_requests, args.rest_gap)
             agent = psutil.Process(process.pid)
             cpu_before = sum(agent.cpu_times()[:2])
             loaded = under_load(port, args.rate, args.seconds, args.threads)
@@ -232,7 +235,8 @@ def main() -> int:
     print("| condition | requests | rate | p50 | p99 | errors |")
     print("|---|---|---|---|---|---|")
     print(
-        f"| at rest, sequential, 100 ms apart | {len(rest.latencies)} | 10/s "
+        f"| at rest, sequential, {args.rest_gap:g} s apart | {len(rest.latencies)} "
+        f"| {1 / args.rest_gap:g}/s "
         f"| {rest_p50:.1f} ms | {rest_p99:.1f} ms | {len(rest.errors)} |"
     )
     print(
@@ -247,6 +251,7 @@ def main() -> int:
         "body_bytes": rest.body_bytes,
         "rest": {
             "requests": len(rest.latencies),
+            "gap_s": args.rest_gap,
             "p50_ms": rest_p50,
             "p99_ms": rest_p99,
             "errors": len(rest.errors),
