@@ -206,6 +206,9 @@ class AuthApp:
 class _ThreadingServer(ThreadingMixIn, WSGIServer):
     daemon_threads = True
     allow_reuse_address = True
+    # wsgiref speaks HTTP/1.0: every scrape is a new connection. Python's default backlog of 5
+    # drops connection attempts in a burst, which the client retries a second later.
+    request_queue_size = 128
     tls: ServerTls | None = None
 
     def finish_request(self, request: Any, client_address: Any) -> None:
