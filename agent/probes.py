@@ -14,7 +14,6 @@ import json
 import logging
 import math
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -27,7 +26,7 @@ from dataclasses import dataclass
 from typing import IO, Any, Literal, NoReturn
 
 from collectors.base import Sample
-from collectors.stack import CREDENTIAL_WORDS
+from collectors.stack import may_hold_secret
 
 log = logging.getLogger(__name__)
 
@@ -155,8 +154,7 @@ def child_environment(device: ProbeDevice, base: Mapping[str, str] | None = None
             name == allowed or (allowed.endswith("_") and name.startswith(allowed))
             for allowed in CHILD_ENV_ALLOW
         )
-        and (name in not_credentials or not any(word in name.upper() for word in CREDENTIAL_WORDS))
-        and not re.search(r"[a-z][a-z0-9+.-]*://[^/?#\s]*@", value, re.IGNORECASE)
+        and not may_hold_secret(name, value, harmless=not_credentials)
     }
     env["PYTHONUNBUFFERED"] = "1"
     if device.kind == "cuda":

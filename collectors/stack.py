@@ -23,7 +23,7 @@ import json
 import os
 import platform
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -97,14 +97,22 @@ def capture(
     )
 
 
+def may_hold_secret(name: str, value: str, harmless: Collection[str] = ()) -> bool:
+    """A name that reads like a credential (unless listed as ``harmless``), or a value with a URL
+    carrying user information: what neither a snapshot nor a probe child's environment holds."""
+    credential_name = name not in harmless and any(
+        word in name.upper() for word in CREDENTIAL_WORDS
+    )
+    return credential_name or bool(_USERINFO_URL.search(value))
+
+
 def allowed_environment(environ: Mapping[str, str]) -> dict[str, str]:
     """The allow-listed variables, less credential-like names and URLs that could carry secrets."""
     return {
         name: value
         for name, value in environ.items()
         if (name.startswith(ENV_PREFIXES) or name in ENV_NAMES)
-        and not any(word in name.upper() for word in CREDENTIAL_WORDS)
-        and not _USERINFO_URL.search(value)
+        and not may_hold_secret(name, value)
         and not _DATABASE_URL.search(value)
     }
 
