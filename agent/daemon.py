@@ -1,10 +1,11 @@
 """The agent's lifecycle: start everything in an order that fails early, stop it within seconds.
 
-Start-up opens the archive first (a bad database is the likeliest mistake), then binds the
-exporter, then starts the sampler loops and the scheduler. Any start-up failure is a
-``StartupError`` with one readable line; the CLI turns it into exit code 2. On SIGTERM or SIGINT
-the loops stop, the scheduler finishes its running job, the finished rollup periods are written,
-and the process exits 0.
+Start-up binds the exporter's port first (so that a port in use is reported before any database
+file or directory is created), then opens the archive (a bad database is the likeliest mistake),
+then starts the sampler loops and the scheduler. Any start-up failure is a ``StartupError`` with
+one readable line; the CLI turns it into exit code 2. On SIGTERM or SIGINT the loops stop, the
+scheduler finishes its running job, the finished rollup periods are written, and the process
+exits 0.
 """
 
 from __future__ import annotations
@@ -21,23 +22,25 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.process_collector import ProcessCollector
 
 from agent.archive.database import ArchiveError, current_revision, open_engine, upgrade
+from agent.archive.job import ArchiveJob
+from agent.archive.probe_runs import latest_results
 from agent.archive.sink import ArchiveSink
 from agent.archive.spool import Spool, SpoolError
-from agent.archive.stacks import StackNotFound, find, last_stack
-from agent.archiving import ArchiveJob
-from agent.buffers import TelemetryStore
-from agent.config import Settings, redact_url
-from agent.drift_job import DriftJob
-from agent.exposition import AgentMetrics
-from agent.probes import ProbeRunner
-from agent.probing import ProbeScheduler, TelemetryCapture
-from agent.rollup import RollupBuilder
-from agent.sampler import LoopStatus, SamplerLoop
-from agent.server import ExporterApp, ExporterServer, ListenError
-from agent.stacks import StackTracker
+from agent.archive.stack_snapshots import StackNotFound, StoredStack, find, last_stack
+from agent.config.settings import Settings, redact_url
+from agent.drift.job import DriftJob
+from agent.exporter.metrics import AgentMetrics
+from agent.exporter.server import ExporterApp, ExporterServer, ListenError
+from agent.probes.runner import ProbeRunner
+from agent.probes.scheduler import ProbeKey, ProbeResult, ProbeScheduler, TelemetryCapture
+from agent.stack.tracker import StackTracker
+from agent.telemetry.rollup import RollupBuilder
+from agent.telemetry.sampler import LoopStatus, SamplerLoop
+from agent.telemetry.store import TelemetryStore
 from collectors.base import Collector, Field
 from collectors.host import HostCollector
-from collectors.nvml import NvmlCollector
+from collectors.nvml.collector import NvmlCollector
+from collectors.processes import ProcessCpuMeter
 
 log = logging.getLogger(__name__)
 
@@ -82,30 +85,24 @@ class Agent:
 
         url = settings.database_url
         node = settings.agent.node
+        # The exporter binds before the archive is touched: a port in use is reported before a
+        # SQLite file or its directory is created. It serves once start() runs.
+        registry = CollectorRegistry(auto_describe=False)
+        host, port = settings.listen_address
         try:
-            self._engine = open_engine(url)
-            if settings.archive.auto_upgrade:
-                before = current_revision(self._engine)
-                upgrade(self._engine)
-                after = current_revision(self._engine)
-                if after != before:
-                    log.info("archive schema upgraded from %s to %s", before or "empty", after)
-            self.sink = ArchiveSink(self._engine, node, Spool(settings.spool_path))
-            # What the last run left in the spool goes first, so that its probe runs are complete
-            # before the unfinished ones are marked aborted.
-            if not self.sink.drain(deadline=time.monotonic() + STARTUP_REPLAY_SECONDS):
-                log.warning("the spool is not empty yet: replaying it in the background")
-            aborted = self.sink.probe_runs.abort_unfinished()
-            previous = last_stack(self._engine, node)
-            stored = find(self._engine, previous) if previous is not None else None
-        except (ArchiveError, SpoolError) as exc:
-            raise StartupError(str(exc)) from None
-        except StackNotFound:
-            stored = None
-        if aborted:
-            log.warning(
-                "%d probe run(s) were interrupted by the last stop: recorded as aborted", aborted
+            self.server = ExporterServer(
+                host,
+                port,
+                ExporterApp(registry, self.loop_statuses),
+                web_config_file=settings.exporter.web_config_file,
             )
+        except ListenError as exc:
+            raise StartupError(str(exc)) from None
+        try:
+            stored, restored = self._open_archive(url, node)
+        except StartupError:
+            self.server.stop()
+            raise
         self.archive_job = ArchiveJob(
             self.rollups,
             self.sink,
@@ -147,8 +144,10 @@ class Agent:
             settings.sampler.interval_seconds,
             writer=self.sink,
             stacks=self.stacks,
+            processes=ProcessCpuMeter(settings.host.procfs),
         )
-        registry = CollectorRegistry(auto_describe=False)
+        if self.probes.restore(restored):
+            log.info("restored the latest result of %d probe(s) from the archive", len(restored))
         registry.register(
             AgentMetrics(
                 self.store,
@@ -161,19 +160,11 @@ class Agent:
                 drift=self.drift.status if settings.drift.enabled else None,
             )
         )
+        # prometheus_client's collector, not psutil: it reads /proc/self, which is the agent in any
+        # pid namespace, where psutil.Process() would look up os.getpid() under host.procfs (the
+        # host's pids in a container); and process_cpu_seconds_total keeps its usual meaning, the
+        # agent's own overhead without the probes' deliberate load.
         ProcessCollector(namespace="sustain", registry=registry)
-        host, port = settings.listen_address
-        try:
-            self.server = ExporterServer(
-                host,
-                port,
-                ExporterApp(registry, self.loop_statuses),
-                web_config_file=settings.exporter.web_config_file,
-            )
-        except ListenError as exc:
-            self._engine.dispose()
-            raise StartupError(str(exc)) from None
-
         self.scheduler = self._scheduler(settings)
         log.info(
             "sustain ready: node %s, collectors %s, archive %s, listening on %s:%d",
@@ -183,6 +174,40 @@ class Agent:
             host,
             self.server.port,
         )
+
+    def _open_archive(
+        self, url: str, node: str
+    ) -> tuple[StoredStack | None, list[tuple[ProbeKey, float, ProbeResult]]]:
+        """Open and upgrade the archive, replay the spool, mark interrupted runs aborted; return
+        the stack this node last ran on and the latest result of each of its probes."""
+        settings = self.settings
+        try:
+            self._engine = open_engine(url)
+            if settings.archive.auto_upgrade:
+                before = current_revision(self._engine)
+                upgrade(self._engine)
+                after = current_revision(self._engine)
+                if after != before:
+                    log.info("archive schema upgraded from %s to %s", before or "empty", after)
+            self.sink = ArchiveSink(self._engine, node, Spool(settings.spool_path))
+            # What the last run left in the spool goes first, so that its probe runs are complete
+            # before the unfinished ones are marked aborted.
+            if not self.sink.drain(deadline=time.monotonic() + STARTUP_REPLAY_SECONDS):
+                log.warning("the spool is not empty yet: replaying it in the background")
+            aborted = self.sink.probe_runs.abort_unfinished()
+            # The probe gauges show the last results from the start, not only after the next run.
+            restored = latest_results(self._engine, node)
+            previous = last_stack(self._engine, node)
+            stored = find(self._engine, previous) if previous is not None else None
+        except (ArchiveError, SpoolError) as exc:
+            raise StartupError(str(exc)) from None
+        except StackNotFound:
+            stored = None
+        if aborted:
+            log.warning(
+                "%d probe run(s) were interrupted by the last stop: recorded as aborted", aborted
+            )
+        return stored, restored
 
     def _scheduler(self, settings: Settings) -> BackgroundScheduler:
         scheduler = BackgroundScheduler(timezone="UTC")

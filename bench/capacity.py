@@ -39,8 +39,8 @@ from sqlalchemy import Engine, create_engine, text
 
 from agent.archive.database import open_engine, upgrade
 from agent.archive.models import ProbeRunRecord
-from agent.capacity import capacity, parse_since
-from agent.specs import spec_peak
+from agent.reports.capacity import capacity, parse_since
+from agent.reports.specs import spec_peak
 
 POSTGRES_SERVER = "postgresql+psycopg://postgres@127.0.0.1:5432"
 POSTGRES_MAINTENANCE_URL = f"{POSTGRES_SERVER}/test"
@@ -67,6 +67,7 @@ COLUMNS = (
     "workload",
     "precision",
     "optimization",
+    "size",
     "outcome",
     "reason",
     "started_at",
@@ -108,6 +109,7 @@ def manifest(workload: str, precision: str, unit: str, model: str, label: str) -
             "version": 1,
             "precision": precision,
             "optimization": "eager",
+            "size": "default",
             "unit": unit,
             "work_unit": "flop" if unit == "FLOP/s" else "byte",
             "device": {"kind": "cuda", "label": label, "device_name": model, "memory": 85e9},
@@ -195,6 +197,7 @@ def runs(total: int, now: datetime, seed: int = 0) -> Iterator[list[dict[str, An
                         "workload": workload,
                         "precision": precision,
                         "optimization": "eager",
+                        "size": "default",
                         "outcome": "ok" if ok else "failed",
                         "reason": "" if ok else "probe exited 1: CUDA error: out of memory",
                         "started_at": started_at,

@@ -38,11 +38,11 @@ from sqlalchemy import Engine, create_engine, text
 from agent.archive.database import open_engine, upgrade
 from agent.archive.sink import ArchiveSink
 from agent.archive.spool import Spool
-from agent.attribution import Attribution, SegmentTelemetry
-from agent.probe_analysis import RunAnalysis
-from agent.probes import Iteration, ProbeDevice, ProbeRun, ProbeSpec
-from agent.rollup import RollupRow
-from collectors.nvml import NvmlCollector
+from agent.probes.analysis import RunAnalysis
+from agent.probes.attribution import Attribution, SegmentTelemetry
+from agent.probes.runner import Iteration, ProbeDevice, ProbeRun, ProbeSpec
+from agent.telemetry.rollup import RollupRow
+from collectors.nvml.collector import NvmlCollector
 
 POSTGRES_SERVER = "postgresql+psycopg://postgres@127.0.0.1:5432"
 POSTGRES_MAINTENANCE_URL = f"{POSTGRES_SERVER}/test"

@@ -28,10 +28,10 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 from fakenvml.build import build  # noqa: E402  (tests/ is put on the path just above)
 
-from agent.buffers import TelemetryStore  # noqa: E402
-from agent.rollup import RollupBuilder  # noqa: E402
-from agent.sampler import SamplerLoop  # noqa: E402
-from collectors.nvml import NvmlCollector  # noqa: E402
+from agent.telemetry.rollup import RollupBuilder  # noqa: E402
+from agent.telemetry.sampler import SamplerLoop  # noqa: E402
+from agent.telemetry.store import TelemetryStore  # noqa: E402
+from collectors.nvml.collector import NvmlCollector  # noqa: E402
 
 
 def scenario(gpus: int) -> str:

@@ -79,7 +79,10 @@ class Event:
 class Sample:
     """One poll of a collector. ``device`` is the device the readings belong to ("host" for the
     host collector, the UUID for a GPU); ``errors`` names the kinds of per-field failures met
-    during the poll; ``events`` are what the poll noticed happening."""
+    during the poll; ``events`` are what the poll noticed happening. ``foreign_pids`` are the
+    processes other than the agent's own running on the device (a GPU's compute processes, as
+    its last read of the process list found them): not a metric (a pid is no label), but what
+    a running probe yields to."""
 
     collector: str
     device: str
@@ -87,6 +90,7 @@ class Sample:
     readings: tuple[Reading, ...]
     errors: tuple[str, ...] = field(default=())
     events: tuple[Event, ...] = field(default=())
+    foreign_pids: tuple[int, ...] = field(default=())
 
 
 class CollectorError(Exception):
@@ -94,9 +98,14 @@ class CollectorError(Exception):
 
 
 class SourceUnavailable(CollectorError):
-    """The source does not exist on this node (no driver, no device). Not a fault: the collector
-    says so once in the log itself, and the sampler only counts it and reports the collector
-    down."""
+    """The source is not installed on this node (no driver): the collector does not apply here.
+    Not a fault: the collector says so once in the log itself, counts nothing, and the sampler
+    reports the collector absent for ``reason`` (a short name from a fixed set, exported as a
+    label) instead of down."""
+
+    def __init__(self, message: str, reason: str) -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 class Collector(Protocol):

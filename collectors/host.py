@@ -1,9 +1,25 @@
-"""Host CPU, memory, load, temperature and RAPL energy, read straight from procfs and sysfs.
+"""Host CPU, memory, load, temperature and RAPL energy, under configurable procfs and sysfs roots.
 
-The files are read under configurable roots instead of through psutil so that tests can point the
-collector at a fixture tree, and so that a poll at 1-10 Hz reads only the few files it needs. The
-sensor paths (cpufreq, hwmon, thermal zones, powercap zones) are found by a directory walk once,
-and again at most once a minute so that hotplugged sensors appear. The exposition it feeds::
+Memory comes from psutil (``psutil.virtual_memory()``), which reads meminfo under
+``psutil.PROCFS_PATH`` and, where MemAvailable is missing or implausible (old kernels, LXC),
+estimates what is available as free(1) does. ``PROCFS_PATH`` is a process-wide global: the
+collector sets it to its procfs root when it is built, so one process has one procfs root (the
+daemon gives the process table in collectors/processes.py the same ``host.procfs``).
+
+The rest is read by hand, because psutil has no equivalent under a configurable root:
+
+- CPU times (/proc/stat): ``psutil.cpu_times(percpu=True)`` is a list by position that drops the
+  CPU number, so with a CPU offline the per-core labels would shift and stop matching cpufreq's;
+- load averages (/proc/loadavg): ``psutil.getloadavg()`` is ``os.getloadavg()``, which ignores
+  ``PROCFS_PATH``;
+- cpufreq, hwmon and thermal zones: ``psutil.cpu_freq()`` and ``psutil.sensors_temperatures()``
+  read a fixed /sys (cpu_freq even picks its source when psutil is imported);
+- RAPL energy (powercap): psutil has no API for it.
+
+So tests point the collector at a fixture tree, and a poll at 1-10 Hz reads only the few files it
+needs. The sensor paths (cpufreq, hwmon, thermal zones, powercap zones) are found by a directory
+walk once, and again at most once a minute so that hotplugged sensors appear. The exposition it
+feeds::
 
     sustain_cpu_utilization_ratio 0.45
     sustain_cpu_frequency_hertz{cpu="0"} 3.4e+09
@@ -22,6 +38,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
+
+import psutil
 
 from collectors.base import CollectorError, Field, Labels, Reading, Sample
 
@@ -231,17 +249,6 @@ def utilization(previous: CpuTimes, current: CpuTimes) -> float | None:
     return min(1.0, max(0.0, (current.busy - previous.busy) / total))
 
 
-def parse_meminfo(text: str) -> dict[str, int]:
-    """meminfo values in bytes (kB lines converted; unitless counts such as HugePages_ kept)."""
-    values: dict[str, int] = {}
-    for line in text.splitlines():
-        name, _, rest = line.partition(":")
-        parts = rest.split()
-        if parts:
-            values[name] = int(parts[0]) * (1024 if parts[1:] == ["kB"] else 1)
-    return values
-
-
 def parse_cpuinfo_hertz(text: str) -> dict[str, float]:
     """``cpu MHz`` per ``processor`` number, in hertz (x86 only; other cpuinfo lacks it)."""
     hertz: dict[str, float] = {}
@@ -270,6 +277,8 @@ class HostCollector:
     ) -> None:
         self._stat = os.path.join(procfs, "stat")
         self._meminfo = os.path.join(procfs, "meminfo")
+        # Process-wide: the last collector built sets the root for every psutil read in the process.
+        psutil.PROCFS_PATH = os.fspath(procfs)
         self._loadavg = os.path.join(procfs, "loadavg")
         self._cpuinfo = os.path.join(procfs, "cpuinfo")
         self._sysfs = str(sysfs)
@@ -340,22 +349,23 @@ class HostCollector:
         return True
 
     def _collect_memory(self, poll: _Poll) -> bool:
-        text = poll.text(self._meminfo)
-        if text is None:
-            return False
         try:
-            values = parse_meminfo(text)
-        except ValueError:
+            memory = psutil.virtual_memory()
+        except (FileNotFoundError, NotADirectoryError):
+            return False
+        except PermissionError:
+            poll.errors.append("permission")
+            return False
+        except OSError:
+            poll.errors.append("read")
+            return False
+        except (ValueError, IndexError, KeyError):
             poll.errors.append("parse")
             return False
-        total = values.get("MemTotal")
-        available = values.get("MemAvailable")
-        if total is not None:
-            poll.add("memory_total_bytes", total)
-        if available is not None:
-            poll.add("memory_available_bytes", available)
-        if total is not None and available is not None:
-            poll.add("memory_used_bytes", total - available)
+        poll.add("memory_total_bytes", memory.total)
+        poll.add("memory_available_bytes", memory.available)
+        # Not psutil's own ``used``, whose definition has changed between psutil versions.
+        poll.add("memory_used_bytes", memory.total - memory.available)
         return True
 
     def _collect_load(self, poll: _Poll) -> bool:

@@ -30,8 +30,8 @@ from typing import Any
 
 import pynvml
 
-from collectors.base import SourceUnavailable
-from collectors.nvml import Absent, CallFailed, DeviceLost, NvmlLibrary
+from collectors.base import CollectorError
+from collectors.nvml.library import Absent, CallFailed, DeviceLost, NvmlLibrary, cuda_version_text
 
 ENV_PREFIXES = ("CUDA_", "NCCL_", "TORCH_", "TORCHINDUCTOR_", "NVIDIA_", "CUBLAS_", "CUDNN_")
 ENV_NAMES = frozenset({"OMP_NUM_THREADS", "MKL_NUM_THREADS", "LD_LIBRARY_PATH"})
@@ -140,7 +140,7 @@ def _nvml_facts(
         return driver, None
     try:
         nvml.start()
-    except SourceUnavailable:
+    except CollectorError:  # not installed here, or a driver that fails to start
         return driver, None
 
     def get(function: Callable[..., Any], *args: Any) -> Any:
@@ -152,7 +152,7 @@ def _nvml_facts(
     driver["version"] = _text(get(pynvml.nvmlSystemGetDriverVersion))
     driver["nvml_version"] = _text(get(pynvml.nvmlSystemGetNVMLVersion))
     cuda = get(pynvml.nvmlSystemGetCudaDriverVersion)
-    driver["cuda_version"] = None if cuda is None else f"{cuda // 1000}.{cuda % 1000 // 10}"
+    driver["cuda_version"] = None if cuda is None else cuda_version_text(int(cuda))
     count = get(pynvml.nvmlDeviceGetCount)
     if count is None:
         return driver, None

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import json
 import os
 import shutil
 import signal
@@ -27,17 +28,28 @@ import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+import psutil
 import pytest
 from fakenvml.build import build
 from sqlalchemy import Engine, create_engine, text
 from sqlalchemy.exc import OperationalError
 
 from agent.archive.database import open_engine, upgrade
-from collectors.nvml import NvmlCollector
+from collectors.nvml.collector import NvmlCollector
 
 POSTGRES_SERVER = "postgresql+psycopg://postgres@127.0.0.1:5432"
 POSTGRES_MAINTENANCE_URL = f"{POSTGRES_SERVER}/test"
+
+
+@pytest.fixture(autouse=True)
+def _real_procfs() -> Iterator[None]:
+    """``psutil.PROCFS_PATH`` is process-wide and a host collector built on a fixture tree moves
+    it there: every test starts and ends with psutil reading the real /proc."""
+    psutil.PROCFS_PATH = "/proc"
+    yield
+    psutil.PROCFS_PATH = "/proc"
 
 
 @pytest.fixture(scope="session")
@@ -141,6 +153,34 @@ def scenario(
     yield start
     for collector in collectors:
         collector.close()
+
+
+# The probe interpreter of tests whose probes target fake GPUs: it writes down the GPUs it was
+# given (CUDA_VISIBLE_DEVICES) and its arguments, one JSON line per child, then runs the real
+# workload on the CPU (``--device cuda:N`` becomes ``--device cpu``).
+CPU_WRAPPER = """#!{python}
+import json, os, sys
+with open({log!r}, "a") as out:
+    out.write(json.dumps({{"gpus": os.environ.get("CUDA_VISIBLE_DEVICES"), "argv": sys.argv[1:]}}))
+    out.write("\\n")
+args = ["cpu" if arg.startswith("cuda") else arg for arg in sys.argv[1:]]
+os.execv({python!r}, [{python!r}, *args])
+"""
+
+
+def cpu_wrapper(directory: Path) -> tuple[Path, Path]:
+    """The wrapper interpreter in ``directory`` and the file its JSON lines go to."""
+    log = directory / "children.jsonl"
+    wrapper = directory / "probe-python"
+    wrapper.write_text(CPU_WRAPPER.format(python=sys.executable, log=str(log)))
+    wrapper.chmod(0o755)
+    return wrapper, log
+
+
+def wrapped_runs(log: Path) -> list[dict[str, Any]]:
+    """The wrapper's lines of `workloads run` children, in order."""
+    lines = log.read_text().splitlines() if log.exists() else []
+    return [entry for entry in map(json.loads, lines) if "run" in entry["argv"]]
 
 
 # A `sustain run` process as an operator starts it, for the end-to-end tests.

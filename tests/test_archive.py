@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import sqlite3
 import subprocess
@@ -16,8 +17,9 @@ from alembic import command
 from alembic.autogenerate import compare_metadata
 from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
-from sqlalchemy import Engine, func, inspect, select
+from sqlalchemy import Engine, func, insert, inspect, select, text
 from sqlalchemy.orm import Session
+from test_capacity import probe_run
 
 from agent.archive.database import (
     MIGRATIONS,
@@ -27,9 +29,9 @@ from agent.archive.database import (
     open_engine,
     upgrade,
 )
-from agent.archive.models import Base, TelemetryRollup
+from agent.archive.models import Base, ProbeRunRecord, TelemetryRollup
 from agent.archive.rollups import RollupWriter
-from agent.rollup import RollupRow
+from agent.telemetry.rollup import RollupRow
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 T0 = 1_700_000_040.0  # a whole minute
@@ -74,7 +76,7 @@ def test_upgrade_creates_the_schema_at_head(database_url: str) -> None:
     try:
         assert current_revision(engine) is None
         upgrade(engine)
-        assert current_revision(engine) == head_revision() == "0005"
+        assert current_revision(engine) == head_revision() == "0008"
         tables = set(inspect(engine).get_table_names())
         assert {"telemetry_rollups", "events", "alembic_version"} <= tables
     finally:
@@ -145,6 +147,61 @@ def test_downgrade_to_base_and_back(archive_engine: Engine) -> None:
     assert "telemetry_rollups" not in inspect(archive_engine).get_table_names()
     upgrade(archive_engine)
     assert current_revision(archive_engine) == head_revision()
+
+
+def probe_runs(engine: Engine) -> list[dict[str, object]]:
+    with engine.connect() as connection:
+        rows = connection.execute(text("SELECT * FROM probe_runs ORDER BY id")).mappings()
+        return [dict(row) for row in rows]
+
+
+def test_upgrade_to_0007_keeps_every_probe_run_and_reads_the_size_from_the_manifest(
+    database_url: str,
+) -> None:
+    """An archive made by the previous head (0006) keeps every row and every value; the new
+    ``size`` column comes from each run's manifest where it holds a size, else NULL. Downgrading
+    gives back the rows as they were."""
+    manifests = [
+        ("small", json.dumps({"event": "manifest", "size": "small", "unit": "FLOP/s"})),
+        ("default", json.dumps({"event": "manifest", "size": "default"})),
+        (None, None),  # a run that failed before its child said anything
+        (None, '{"size": "small"'),  # cut short: not JSON
+        (None, json.dumps({"size": "small", "work": float("nan")})),  # NaN: not JSON either
+        (None, json.dumps({"size": 3})),
+        (None, json.dumps(["small"])),
+        (None, json.dumps({"event": "manifest"})),
+    ]
+    runs = [
+        probe_run(run_id=f"{index:032x}", manifest=manifest, steady_throughput=7e14 + index)
+        for index, (_, manifest) in enumerate(manifests)
+    ]
+    for run in runs:
+        del run["size"]  # not a column yet at 0006
+    engine = open_engine(database_url)
+    try:
+        upgrade(engine, "0006")
+        with engine.begin() as connection:
+            connection.execute(insert(ProbeRunRecord), runs)
+        before = probe_runs(engine)
+        upgrade(engine)
+        after = probe_runs(engine)
+        assert [{k: v for k, v in row.items() if k != "size"} for row in after] == before
+        assert [row["size"] for row in after] == [size for size, _ in manifests]
+        with engine.connect() as connection:
+            results = connection.execute(
+                text("SELECT run_id, size FROM probe_results ORDER BY run_id")
+            ).all()
+        assert [tuple(row) for row in results] == [
+            (run["run_id"], size) for run, (size, _) in zip(runs, manifests, strict=True)
+        ]
+        config = Config()
+        config.set_main_option("script_location", str(MIGRATIONS))
+        with engine.begin() as connection:
+            config.attributes["connection"] = connection
+            command.downgrade(config, "0006")
+        assert probe_runs(engine) == before
+    finally:
+        engine.dispose()
 
 
 def alembic(*arguments: str, database_url: str | None) -> subprocess.CompletedProcess[str]:

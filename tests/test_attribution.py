@@ -15,9 +15,9 @@ from dataclasses import dataclass
 import pytest
 from conftest import FakeGpus
 
-from agent.attribution import Attribution, SegmentTelemetry, attribute
+from agent.probes.attribution import Attribution, SegmentTelemetry, attribute
 from collectors.base import Reading, Sample
-from collectors.nvml import NvmlCollector
+from collectors.nvml.collector import NvmlCollector
 
 UUID0 = "GPU-00000000-1111-2222-3333-444444444444"
 HEADER = f"""

@@ -1,4 +1,4 @@
-"""``agent.capacity`` against numpy on the same values, on SQLite and PostgreSQL.
+"""``agent.reports.capacity`` against numpy on the same values, on SQLite and PostgreSQL.
 
 The rows are written straight into probe_runs, as the agent's writer leaves them, and read back
 through the probe_results view; every expectation is computed here from the same list with numpy.
@@ -16,13 +16,22 @@ from typing import Any
 
 import numpy as np
 import pytest
-from sqlalchemy import Engine, event, insert
+from sqlalchemy import Engine, event, insert, select
 
-from agent import capacity as capacity_module
 from agent.archive.database import ArchiveError, open_engine, upgrade
 from agent.archive.models import ProbeRunRecord
-from agent.capacity import CapacityRow, capacity, human, parse_since, render_table, rows_as_json
-from agent.specs import spec_peak
+from agent.archive.probe_runs import ProbeRunWriter
+from agent.probes.runner import CPU, ProbeRun, ProbeSpec
+from agent.reports import capacity as capacity_module
+from agent.reports.capacity import (
+    CapacityRow,
+    capacity,
+    human,
+    parse_since,
+    render_table,
+    rows_as_json,
+)
+from agent.reports.specs import spec_peak
 
 NOW = datetime(2026, 11, 22, 12, 0, tzinfo=UTC)
 H100 = "NVIDIA H100 80GB HBM3"
@@ -44,6 +53,7 @@ def probe_run(**values: Any) -> dict[str, Any]:
         "workload": "matmul",
         "precision": "bf16",
         "optimization": "eager",
+        "size": "default",
         "outcome": "ok",
         "reason": "",
         "started_at": started_at,
@@ -72,8 +82,9 @@ def fleet(seed: int = 0) -> list[dict[str, Any]]:
     """A small fleet with every complication the query must handle.
 
     Three nodes (two of H100s, one of A100s with an unknown-model CPU device beside them), two
-    stacks, two workloads, two precisions, groups of one, two and a few hundred results, runs
-    archived before device models and stacks were recorded (NULL), and runs that are not results.
+    stacks, two workloads, two precisions, two problem sizes, groups of one, two and a few hundred
+    results, runs archived before device models, stacks and sizes were recorded (NULL), and runs
+    that are not results.
     """
     rng = np.random.default_rng(seed)
     rows: list[dict[str, Any]] = []
@@ -122,10 +133,25 @@ def fleet(seed: int = 0) -> list[dict[str, Any]]:
         for v in (1.2e15, 1.4e15)
     ]
     rows.append(probe_run(node="node-e", device="GPU-e1", precision="int8", steady_throughput=3.0))
-    # Archived before migration 0005: no model, no stack.
+    # Small problems on H100s, beside their default-size results: below the sustained rate.
     rows += [
         probe_run(
-            node="node-f", device="GPU-f0", device_model=None, stack_id=None, steady_throughput=v
+            node="node-a",
+            device=f"GPU-a{index % 2}",
+            size="small",
+            steady_throughput=float(value),
+        )
+        for index, value in enumerate(rng.uniform(1e14, 2e14, 7))
+    ]
+    # Archived before migration 0005: no model, no stack, no size.
+    rows += [
+        probe_run(
+            node="node-f",
+            device="GPU-f0",
+            device_model=None,
+            stack_id=None,
+            size=None,
+            steady_throughput=v,
         )
         for v in (4e14, 5e14, 6e14)
     ]
@@ -149,11 +175,12 @@ def expected(
             row["workload"],
             row["precision"],
             row["optimization"],
+            row["size"],
             row["unit"],
         )
         groups[key].append(row)
     result = []
-    for (group, workload, precision, optimization, unit), members in groups.items():
+    for (group, workload, precision, optimization, size, unit), members in groups.items():
         values = np.array([m["steady_throughput"] for m in members])
         median, p10 = np.quantile(values, [0.5, 0.1])
         models = {m["device_model"] for m in members}
@@ -164,6 +191,7 @@ def expected(
                 workload=workload,
                 precision=precision,
                 optimization=optimization,
+                size=size,
                 unit=unit,
                 median=float(median),
                 p10=float(p10),
@@ -172,15 +200,28 @@ def expected(
                 spec_ratio=float(median) / peak if peak else None,
             )
         )
-    result.sort(
-        key=lambda r: (r.workload, r.precision, r.optimization, r.group is None, r.group or "")
-    )
+    result.sort(key=order)
     return result
 
 
+def order(r: CapacityRow) -> tuple[Any, ...]:
+    """Sections of one probe and unit; in each, groups (unknown last), then sizes."""
+    return (
+        r.workload,
+        r.precision,
+        r.optimization,
+        r.unit is None,
+        r.unit or "",
+        r.group is None,
+        r.group or "",
+        r.size is None,
+        r.size or "",
+    )
+
+
 def assert_rows(actual: list[CapacityRow], wanted: list[CapacityRow]) -> None:
-    assert [(r.group, r.workload, r.precision, r.optimization, r.unit) for r in actual] == [
-        (r.group, r.workload, r.precision, r.optimization, r.unit) for r in wanted
+    assert [(r.group, r.workload, r.precision, r.optimization, r.size, r.unit) for r in actual] == [
+        (r.group, r.workload, r.precision, r.optimization, r.size, r.unit) for r in wanted
     ]
     for got, want in zip(actual, wanted, strict=True):
         assert (got.results, got.devices) == (want.results, want.devices), want
@@ -225,6 +266,7 @@ def test_summaries_streamed_in_many_chunks(
         ({"workload": "membw"}, lambda r: r["workload"] == "membw"),
         ({"optimization": "eager"}, lambda r: True),
         ({"optimization": "compiled"}, lambda r: False),
+        ({"size": "small"}, lambda r: r["size"] == "small"),
         (
             {"workload": "matmul", "precision": "fp32"},
             lambda r: r["workload"] == "matmul" and r["precision"] == "fp32",
@@ -335,13 +377,67 @@ def test_empty(archive_engine: Engine) -> None:
     assert capacity(archive_engine, since=NOW + timedelta(days=1)) == []
 
 
-def test_rows_are_sorted_by_workload_precision_optimization_and_group(
+def test_rows_are_sorted_by_probe_unit_group_and_size(
     archive: tuple[Engine, list[dict[str, Any]]],
 ) -> None:
     engine, _ = archive
     rows = capacity(engine)
-    keys = [(r.workload, r.precision, r.optimization, r.group is None, r.group or "") for r in rows]
+    keys = [order(r) for r in rows]
     assert keys == sorted(keys)
+
+
+def test_sizes_are_never_mixed(archive_engine: Engine) -> None:
+    """A small problem runs below the sustained rate: it is a row of its own, never the median
+    of the default size's."""
+    store(
+        archive_engine,
+        [
+            *(
+                probe_run(device=f"GPU-{i}", steady_throughput=v)
+                for i, v in enumerate((7.0e14, 7.2e14, 7.4e14))
+            ),
+            probe_run(device="GPU-0", size="small", steady_throughput=2e14),
+            probe_run(device="GPU-1", size="small", steady_throughput=3e14),
+        ],
+    )
+    default, small = capacity(archive_engine)
+    assert (default.group, default.size, default.results, default.devices) == (
+        H100,
+        "default",
+        3,
+        3,
+    )
+    assert default.median == pytest.approx(7.2e14)
+    assert (small.group, small.size, small.results, small.devices) == (H100, "small", 2, 2)
+    assert small.median == pytest.approx(2.5e14)
+    assert capacity(archive_engine, size="small") == [small]
+    assert capacity(archive_engine, size="default") == [default]
+    lines = render_table([default, small]).splitlines()
+    assert lines[1].split()[:2] == ["MODEL", "SIZE"]
+    assert [line.split()[4] for line in lines[2:]] == ["default", "small"]  # after 4 words
+
+
+def test_the_writer_records_the_size_the_child_ran(archive_engine: Engine) -> None:
+    writer = ProbeRunWriter(archive_engine, "node-a")
+    small = ProbeSpec("matmul", "fp32", "eager", 1.0, CPU, size="small")
+    default = ProbeSpec("matmul", "fp32", "eager", 1.0, CPU)  # no size: the workload's default
+    at = NOW.timestamp()
+    writer.start("a" * 32, small, at)
+    writer.finish(ProbeRun("b" * 32, default, "ok", "", at, at + 1, manifest={"size": "default"}))
+    # What the child reports wins over what was asked: a problem divided to fit the duration.
+    manifest = {"size": "default/4"}
+    writer.finish(ProbeRun("c" * 32, default, "ok", "", at, at + 1, manifest=manifest))
+    writer.finish(ProbeRun("d" * 32, small, "failed", "exit 1", at, at + 1))  # no manifest
+    with archive_engine.connect() as connection:
+        sizes = connection.execute(
+            select(ProbeRunRecord.run_id, ProbeRunRecord.size).order_by(ProbeRunRecord.run_id)
+        ).all()
+    assert [tuple(row) for row in sizes] == [
+        ("a" * 32, "small"),
+        ("b" * 32, "default"),
+        ("c" * 32, "default/4"),
+        ("d" * 32, "small"),
+    ]
 
 
 def test_bad_arguments(archive_engine: Engine) -> None:
@@ -388,6 +484,7 @@ def explained_plans(engine: Engine, run: Callable[[], object]) -> Iterator[str]:
         {"workload": "matmul"},
         {"optimization": "eager"},
         {"workload": "matmul", "precision": "bf16", "optimization": "eager"},
+        {"size": "small"},
         {"since": NOW - timedelta(days=7)},
         {"precision": "bf16", "since": NOW - timedelta(days=7)},
     ],
@@ -485,24 +582,82 @@ def test_human(value: float, unit: str | None, text: str) -> None:
 def test_render_table_aligns_columns(archive: tuple[Engine, list[dict[str, Any]]]) -> None:
     engine, _ = archive
     rows = capacity(engine, by="stack", precision="bf16")
-    lines = render_table(rows, by="stack").splitlines()
-    assert lines[0].split() == [
-        "STACK",
-        "WORKLOAD",
-        "PRECISION",
-        "OPT",
-        "MEDIAN",
-        "P10",
-        "SPEC",
-        "RESULTS",
-        "DEVICES",
-    ]
+    sections = render_table(rows, by="stack").split("\n\n")
+    headings = [section.splitlines()[0] for section in sections]
+    assert headings == ["matmul bf16 eager (FLOP/s)"]
+    lines = sections[0].splitlines()[1:]
+    assert lines[0].split() == ["STACK", "SIZE", "MEDIAN", "P10", "SPEC", "RESULTS", "DEVICES"]
     assert len(lines) == len(rows) + 1
     # Stack ids are shortened, the missing one shown as "-"; numbers end in one column.
     assert {line.split()[0] for line in lines[1:]} == {STACK_A[:12], STACK_B[:12], "-"}
-    assert len({len(line) for line in lines[1:]}) == 1
-    assert "TFLOP/s" in lines[1]
+    assert len({len(line) for line in lines}) == 1
+    # The unit is in the heading; the figures carry its prefix, digits aligned.
+    assert " T " in lines[1]
+    assert "FLOP/s" not in "".join(lines)
+    assert max(len(line) for line in lines) <= 80
     assert render_table([]) == "no probe results match"
+
+
+def test_render_table_has_a_section_per_probe_and_unit(
+    archive: tuple[Engine, list[dict[str, Any]]],
+) -> None:
+    engine, _ = archive
+    rows = capacity(engine)
+    sections = render_table(rows).split("\n\n")
+    assert [section.splitlines()[0] for section in sections] == [
+        "matmul bf16 eager (FLOP/s)",
+        "matmul fp16 eager (FLOP/s)",
+        "matmul fp32 eager (FLOP/s)",
+        "matmul fp8 eager (FLOP/s)",
+        "matmul int8 eager (FLOP/s)",
+        "membw fp32 eager (B/s)",
+    ]
+    assert sum(len(section.splitlines()) - 2 for section in sections) == len(rows)
+
+
+def cpu_row(name: str, size: str = "default") -> CapacityRow:
+    return CapacityRow(
+        group=name,
+        workload="matmul",
+        precision="fp32",
+        optimization="eager",
+        size=size,
+        unit="FLOP/s",
+        median=2.5e12,
+        p10=2.25e12,
+        results=40,
+        devices=1,
+        spec_ratio=None,
+    )
+
+
+def test_render_table_puts_a_name_too_long_for_its_column_on_a_line_of_its_own() -> None:
+    long_name = "Intel(R) Xeon(R) Platinum 8480+ Sapphire Rapids"
+    rows = [cpu_row(long_name), cpu_row("AMD EPYC 7763", "small")]
+    lines = render_table(rows, width=80).splitlines()
+    assert lines[1].split() == ["MODEL", "SIZE", "MEDIAN", "P10", "SPEC", "RESULTS", "DEVICES"]
+    assert lines[2] == long_name
+    assert lines[3].split() == ["default", "2.500", "T", "2.250", "T", "-", "40", "1"]
+    assert lines[4].split()[:4] == ["AMD", "EPYC", "7763", "small"]
+    assert max(len(line) for line in lines) <= 80
+    # The SIZE column starts where it does on the other lines.
+    assert lines[3].index("default") == lines[4].index("small") == lines[1].index("SIZE")
+    # A wide terminal keeps each row on one line.
+    assert render_table(rows, width=120).splitlines()[2].startswith(long_name + "  default")
+
+
+def test_render_table_becomes_blocks_where_not_even_the_figures_fit() -> None:
+    name = "Intel(R) Xeon(R) Platinum 8480+"
+    assert render_table([cpu_row(name)], width=50).splitlines() == [
+        "matmul fp32 eager (FLOP/s)",
+        f"  MODEL    {name}",
+        "  SIZE     default",
+        "  MEDIAN   2.500 TFLOP/s",
+        "  P10      2.250 TFLOP/s",
+        "  SPEC     -",
+        "  RESULTS  40",
+        "  DEVICES  1",
+    ]
 
 
 def test_rows_as_json(archive: tuple[Engine, list[dict[str, Any]]]) -> None:
@@ -515,6 +670,7 @@ def test_rows_as_json(archive: tuple[Engine, list[dict[str, Any]]]) -> None:
         "workload": rows[0].workload,
         "precision": rows[0].precision,
         "optimization": rows[0].optimization,
+        "size": rows[0].size,
         "unit": rows[0].unit,
         "median": rows[0].median,
         "p10": rows[0].p10,

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from agent import config
+from agent.config import settings as config
 
 SUSTAIN = [sys.executable, "-m", "agent"]
 
@@ -83,8 +83,8 @@ def test_config_check_reports_every_problem(tmp_path: Path) -> None:
     result = sustain("config", "check", str(path))
     assert result.returncode == 2
     assert sorted(result.stdout.splitlines()) == [
-        "sampler.bogus: unknown key",
-        "sampler.interval_seconds: Input should be greater than 0 (got -1)",
+        f"{path}: sampler.bogus: unknown key",
+        f"{path}: sampler.interval_seconds: Input should be greater than 0 (got -1)",
     ]
 
 
@@ -135,7 +135,8 @@ def test_bad_environment_value_is_one_line_exit_2() -> None:
     result = sustain("config", "show", env={"SUSTAIN_SAMPLER__INTERVAL_SECONDS": "-3"})
     assert result.returncode == 2
     assert result.stderr.splitlines() == [
-        "sustain: config: sampler.interval_seconds: Input should be greater than 0 (got '-3')"
+        "sustain: config: SUSTAIN_SAMPLER__INTERVAL_SECONDS: Input should be greater than 0 "
+        "(got '-3')"
     ]
 
 

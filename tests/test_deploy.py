@@ -29,7 +29,8 @@ import pytest
 import yaml
 from pydantic import BaseModel
 
-from agent import cli, config
+from agent.cli import main as cli
+from agent.config import settings as config
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
@@ -399,7 +400,7 @@ def test_entrypoint_knows_every_sustain_command() -> None:
     match = re.search(r"^\s*((?:[a-z]+ \| )+[a-z]+)\)$", text, re.MULTILINE)
     assert match, "the case branch listing the sustain commands is missing"
     listed = {word.strip() for word in match.group(1).split("|")}
-    assert listed == commands, "keep entrypoint.sh's command list in step with agent/cli.py"
+    assert listed == commands, "keep entrypoint.sh's command list in step with agent/cli/main.py"
 
 
 def test_entrypoint_passes_shellcheck() -> None:
@@ -555,6 +556,12 @@ def test_daemonset_wiring() -> None:
     config_volume = volumes[mounts[config_dir]["name"]]
     assert config_volume["configMap"]["name"] == resources["configmap.yaml"]["metadata"]["name"]
     assert "emptyDir" in volumes[mounts["/tmp"]["name"]]
+    # NCCL's shared memory for the all-reduce ranks: memory-backed, sized, within the limit.
+    shm = volumes[mounts["/dev/shm"]["name"]]["emptyDir"]
+    assert shm["medium"] == "Memory"
+    shm_bytes = memory_bytes(shm["sizeLimit"])
+    assert shm_bytes >= 2**30
+    assert shm_bytes + 2 * 2**30 <= memory_bytes(container["resources"]["limits"]["memory"])
     # Security: non-root, nothing to escalate, read-only root file system.
     assert pod_security_context()["runAsNonRoot"] is True
     context = container["securityContext"]
@@ -635,6 +642,7 @@ def test_compose_services() -> None:
     assert context == ROOT
     assert (context / sustain["build"]["dockerfile"]).resolve() == DOCKERFILE
     assert sustain["depends_on"]["postgres"]["condition"] == "service_healthy"
+    assert sustain["shm_size"] == "1gb"  # NCCL's shared memory for the all-reduce ranks
     # The agent's database is the postgres service, with its credentials.
     postgres = services["postgres"]["environment"]
     url = sustain["environment"]["SUSTAIN_ARCHIVE__DATABASE_URL"]

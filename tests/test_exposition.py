@@ -18,23 +18,24 @@ from conftest import FakeGpus
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.process_collector import ProcessCollector
+from test_names import same_as_golden
 
 from agent.archive.database import open_engine, upgrade
+from agent.archive.job import ArchiveJob
 from agent.archive.sink import ArchiveSink
 from agent.archive.spool import Spool
-from agent.archiving import ArchiveJob
-from agent.buffers import TelemetryStore
-from agent.config import DriftSection, ProbingSection
-from agent.drift_job import DriftJob
-from agent.exposition import AgentMetrics
-from agent.probes import ProbeRunner
-from agent.probing import ProbeScheduler, TelemetryCapture
-from agent.rollup import RollupBuilder
-from agent.sampler import SamplerLoop
-from agent.server import ExporterApp, ExporterServer
-from agent.stacks import StackTracker
+from agent.config.settings import DriftSection, ProbingSection
+from agent.drift.job import DriftJob
+from agent.exporter.metrics import AgentMetrics
+from agent.exporter.server import ExporterApp, ExporterServer
+from agent.probes.runner import ProbeRunner
+from agent.probes.scheduler import ProbeScheduler, TelemetryCapture
+from agent.stack.tracker import StackTracker
+from agent.telemetry.rollup import RollupBuilder
+from agent.telemetry.sampler import SamplerLoop
+from agent.telemetry.store import TelemetryStore
 from collectors.host import HostCollector
-from collectors.nvml import NvmlCollector
+from collectors.nvml.collector import NvmlCollector
 
 ROOT = Path(__file__).parent.parent
 FIXTURE = Path(__file__).parent / "fixtures" / "host"
@@ -76,7 +77,7 @@ def host_tree(tmp_path: Path) -> Path:
     return tree
 
 
-# What `python -m agent.drift` answers (its shape is tested in tests/test_drift.py).
+# What `python -m agent.drift.detect` answers (its shape is tested in tests/test_drift.py).
 DRIFT_ANSWER = {
     "drifts": [
         {
@@ -195,6 +196,24 @@ def catalogue() -> dict[str, tuple[str, tuple[str, ...]]]:
     return entries
 
 
+def gpu_exposition(scenario: Callable[[str, float], tuple[FakeGpus, NvmlCollector]]) -> str:
+    """The GPU families: the fake driver's scenario that sets every field, then the node with a
+    MIG GPU and the GPUs' CPU affinity (one NVML init at a time); GPM needs two polls."""
+    text = ""
+    for name in ("every_field.scn", "mig_node.scn"):
+        fake, gpus = scenario((SCENARIOS / name).read_text(), 1.0)
+        store = TelemetryStore(64)
+        loop = SamplerLoop(gpus, 1.0, sinks=(store.record,), stall_seconds=30)
+        loop.poll_once()
+        fake.sleep_until(0.6)  # every_field.scn: the XID at 0.2 s is in by then
+        loop.poll_once()
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(AgentMetrics(store, {"nvml": dict(gpus.fields)}, lambda: [], 15.0))
+        text += generate_latest(registry).decode()
+        gpus.close()
+    return text
+
+
 def test_catalogue_and_exposition_agree(
     exposition_parts: tuple[CollectorRegistry, SamplerLoop, ArchiveJob],
     scenario: Callable[[str, float], tuple[FakeGpus, NvmlCollector]],
@@ -203,15 +222,7 @@ def test_catalogue_and_exposition_agree(
     sets every field, self-metrics from the agent: together every family there is."""
     registry, _, job = exposition_parts
     assert job.status().rows_written > 0
-    fake, gpus = scenario((SCENARIOS / "every_field.scn").read_text(), 1.0)
-    store = TelemetryStore(64)
-    gpu_loop = SamplerLoop(gpus, 1.0, sinks=(store.record,), stall_seconds=30)
-    gpu_loop.poll_once()
-    fake.sleep_until(0.6)  # GPM needs two polls; the XID at 0.2 s is in by then
-    gpu_loop.poll_once()
-    gpu_registry = CollectorRegistry(auto_describe=False)
-    gpu_registry.register(AgentMetrics(store, {"nvml": dict(gpus.fields)}, lambda: [], 15.0))
-    text = generate_latest(registry).decode() + generate_latest(gpu_registry).decode()
+    text = generate_latest(registry).decode() + gpu_exposition(scenario)
     exposed: dict[str, tuple[str, tuple[str, ...]]] = {}
     for family in text_string_to_metric_families(text):
         name = family.name + ("_total" if family.type == "counter" else "")
@@ -225,6 +236,40 @@ def test_catalogue_and_exposition_agree(
         # A family with no series yet (no errors so far) shows no labels to compare.
         if exposed[name][1]:
             assert exposed[name][1] == labels, name
+
+
+def test_an_absent_collector_exports_why_and_no_up_series(
+    fake_nvml: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A collector whose source is not installed (the fake library without a scenario answers
+    as a driver that is not loaded) has no sustain_collector_up series, as node_exporter exports
+    nothing for a collector that does not apply; sustain_collector_absent says why, with the
+    labels of the catalogue, and nothing is counted as an error."""
+    monkeypatch.delenv("FAKENVML_SCENARIO", raising=False)
+    gpus = NvmlCollector()
+    loop = SamplerLoop(gpus, 1.0, sinks=(), stall_seconds=30)
+    try:
+        loop.poll_once()
+        loop.poll_once()
+    finally:
+        gpus.close()
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(
+        AgentMetrics(TelemetryStore(8), {"nvml": dict(gpus.fields)}, lambda: [loop.status()], 15)
+    )
+    exposed = {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(generate_latest(registry).decode())
+        for sample in family.samples
+    }
+    absent = {key: value for key, value in exposed.items() if key[0] == "sustain_collector_absent"}
+    assert absent == {
+        ("sustain_collector_absent", (("collector", "nvml"), ("reason", "driver_not_loaded"))): 1
+    }
+    assert catalogue()["sustain_collector_absent"] == ("gauge", ("collector", "reason"))
+    assert not [key for key in exposed if key[0] == "sustain_collector_up"]
+    assert not [key for key in exposed if key[0] == "sustain_collector_errors_total"]
+    assert exposed[("sustain_collector_polls_total", (("collector", "nvml"),))] == 2
 
 
 def test_healthz_turns_503_when_a_loop_stalls(
@@ -248,3 +293,21 @@ def test_healthz_turns_503_when_a_loop_stalls(
             assert b'sustain_sampler_stalled{collector="host"} 1.0' in response.read()
     finally:
         server.stop()
+
+
+def test_metric_families_are_unchanged(
+    exposition_parts: tuple[CollectorRegistry, SamplerLoop, ArchiveJob],
+    scenario: Callable[[str, float], tuple[FakeGpus, NvmlCollector]],
+) -> None:
+    """Host, self and GPU families (the fake driver's scenario that sets every field)."""
+    registry, _, _ = exposition_parts
+    text = generate_latest(registry).decode() + gpu_exposition(scenario)
+    families: dict[str, set[str]] = {}
+    for family in text_string_to_metric_families(text):
+        name = f"{family.name} {family.type}"
+        labels = families.setdefault(name, set())
+        labels.update(label for sample in family.samples for label in sample.labels)
+    lines = [
+        f"{name} {','.join(sorted(labels))}".rstrip() for name, labels in sorted(families.items())
+    ]
+    same_as_golden("metric-families.txt", "\n".join(lines) + "\n")

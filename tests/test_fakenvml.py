@@ -15,6 +15,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -46,10 +47,11 @@ SYSTEM_FUNCTIONS = {
 
 
 @pytest.fixture(scope="session")
-def fake_library(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    library = build(tmp_path_factory.mktemp("fakenvml"))
-    preload(library)
-    return library
+def fake_library(fake_nvml: Path) -> Path:
+    """The copy conftest built and loaded. One copy per process: ctypes.CDLL of this path then
+    reaches the very library pynvml binds, where another path would load a second copy."""
+    preload(fake_nvml)  # the same path again: the library already loaded, no new copy
+    return fake_nvml
 
 
 class FakeGpus:
@@ -370,6 +372,35 @@ def test_energy_is_the_exact_integral_of_power(gpus: FakeGpus) -> None:
     assert expected(before) - 1 <= energy <= field <= expected(after)
 
 
+def test_power_usage_is_the_average_and_field_186_the_instant_power(gpus: FakeGpus) -> None:
+    average, instant = pynvml.NVML_FI_DEV_POWER_AVERAGE, pynvml.NVML_FI_DEV_POWER_INSTANT
+    gpus.start(
+        "device 0 power_average_mw 300000\n"  # set anywhere: no longer follows power_mw
+        "device 1\n"  # never set: the average follows power_mw
+        "at 0 0 power_mw 100000\nat 10 0 power_mw 500000 power_average_mw 450000\n"
+        "at 0 1 power_mw 200000\nat 10 1 power_mw 400000\n",
+        at=15,
+    )
+    gpu0, gpu1 = handle(0), handle(1)
+    assert pynvml.nvmlDeviceGetPowerUsage(gpu0) == 450_000
+    values = fields(gpu0, [average, instant])
+    assert (values[average].value.uiVal, values[instant].value.uiVal) == (450_000, 500_000)
+    assert values[instant].valueType == pynvml.NVML_VALUE_TYPE_UNSIGNED_INT
+    assert pynvml.nvmlDeviceGetPowerUsage(gpu1) == 400_000
+    values = fields(gpu1, [average, instant])
+    assert (values[average].value.uiVal, values[instant].value.uiVal) == (400_000, 400_000)
+    # Energy integrates the instant power, never the average.
+    energy = pynvml.nvmlDeviceGetTotalEnergyConsumption(gpu0)
+    assert 100_000 * 10 + 500_000 * 5 <= energy <= 100_000 * 10 + 500_000 * 6
+    gpus.stop()
+
+    gpus.start("device 0 power_average_mw 300000\nat 10 0 power_mw 500000\n", at=5)
+    gpu0 = handle(0)
+    assert pynvml.nvmlDeviceGetPowerUsage(gpu0) == 300_000
+    values = fields(gpu0, [average, instant])
+    assert (values[average].value.uiVal, values[instant].value.uiVal) == (300_000, 70_000)
+
+
 def test_time_scale_compresses_scenario_time(gpus: FakeGpus) -> None:
     scenario = gpus.write("set time_scale 1000\ndevice 0\nat 100 0 power_mw 200000\n")
     gpus.start(scenario, time_scale=None)  # the file's `set time_scale 1000` rules
@@ -483,10 +514,22 @@ def test_acceptance_gpu1_thermal_slowdown_for_exactly_thirty_seconds(gpus: FakeG
     )
 
 
-def every_device_call(
-    gpu: Any, events: Any, sample1: Any, sample2: Any
-) -> dict[str, Callable[[], object]]:
+@dataclass
+class LostTarget:
+    """What every_device_call needs of one plain GPU and one GPU in MIG mode."""
+
+    gpu: Any
+    mig_gpu: Any  # in MIG mode, GPU instance 1 is its MIG device 0
+    mig: Any
+    sample1: Any  # two samples taken on gpu
+    sample2: Any
+    mig_sample: Any  # an allocated sample for nvmlGpmMigSampleGet
+
+
+def every_device_call(target: LostTarget, events: Any) -> dict[str, Callable[[], object]]:
     """One call of each exported function that takes a device, keyed by the symbol it reaches."""
+    gpu, mig_gpu, mig = target.gpu, target.mig_gpu, target.mig
+    sample1, sample2 = target.sample1, target.sample2
     return {
         "nvmlDeviceGetIndex": lambda: pynvml.nvmlDeviceGetIndex(gpu),
         "nvmlDeviceGetUUID": lambda: pynvml.nvmlDeviceGetUUID(gpu),
@@ -560,26 +603,80 @@ def every_device_call(
         "nvmlGpmMetricsGet": lambda: gpm_metrics(
             sample1, sample2, [pynvml.NVML_GPM_METRIC_SM_UTIL]
         ),
+        "nvmlDeviceGetMigMode": lambda: pynvml.nvmlDeviceGetMigMode(mig_gpu),
+        "nvmlDeviceGetMaxMigDeviceCount": lambda: pynvml.nvmlDeviceGetMaxMigDeviceCount(mig_gpu),
+        "nvmlDeviceGetMigDeviceHandleByIndex": (
+            lambda: pynvml.nvmlDeviceGetMigDeviceHandleByIndex(mig_gpu, 0)
+        ),
+        "nvmlDeviceIsMigDeviceHandle": lambda: pynvml.nvmlDeviceIsMigDeviceHandle(mig),
+        "nvmlDeviceGetDeviceHandleFromMigDeviceHandle": (
+            lambda: pynvml.nvmlDeviceGetDeviceHandleFromMigDeviceHandle(mig)
+        ),
+        "nvmlDeviceGetGpuInstanceId": lambda: pynvml.nvmlDeviceGetGpuInstanceId(mig),
+        "nvmlDeviceGetComputeInstanceId": lambda: pynvml.nvmlDeviceGetComputeInstanceId(mig),
+        "nvmlGpmMigSampleGet": lambda: pynvml.nvmlGpmMigSampleGet(mig_gpu, 1, target.mig_sample),
+        "nvmlDeviceGetCpuAffinity": lambda: pynvml.nvmlDeviceGetCpuAffinity(gpu, 1),
+        "nvmlDeviceGetCpuAffinityWithinScope": (
+            lambda: pynvml.nvmlDeviceGetCpuAffinityWithinScope(gpu, 1, 0)
+        ),
+        "nvmlDeviceGetNumaNodeId": lambda: pynvml.nvmlDeviceGetNumaNodeId(gpu),
     }
 
 
+def lost_target(gpu: Any, mig_gpu: Any) -> LostTarget:
+    target = LostTarget(
+        gpu,
+        mig_gpu,
+        pynvml.nvmlDeviceGetMigDeviceHandleByIndex(mig_gpu, 0),
+        pynvml.nvmlGpmSampleAlloc(),
+        pynvml.nvmlGpmSampleAlloc(),
+        pynvml.nvmlGpmSampleAlloc(),
+    )
+    pynvml.nvmlGpmSampleGet(gpu, target.sample1)
+    pynvml.nvmlGpmSampleGet(gpu, target.sample2)
+    return target
+
+
+def free_samples(target: LostTarget) -> None:
+    for sample in (target.sample1, target.sample2, target.mig_sample):
+        pynvml.nvmlGpmSampleFree(sample)
+
+
+# Calls on a MIG device handle that answer while its parent answers.
+MIG_HANDLE_CALLS: list[Callable[[Any], object]] = [
+    pynvml.nvmlDeviceGetUUID,
+    pynvml.nvmlDeviceGetName,
+    pynvml.nvmlDeviceGetMemoryInfo,
+    pynvml.nvmlDeviceGetComputeRunningProcesses,
+    pynvml.nvmlDeviceGetGpuInstanceId,
+    pynvml.nvmlDeviceGetDeviceHandleFromMigDeviceHandle,
+    lambda mig: pynvml.nvmlDeviceGetCpuAffinity(mig, 1),
+]
+
+
 def test_a_lost_gpu_fails_every_device_call_then_recovers(gpus: FakeGpus) -> None:
-    gpus.start("device 0\ndevice 1\nfault 0 lost - 10 14\n", at=8, time_scale=10)
-    lost, healthy = handle(0), handle(1)
-    uuid = pynvml.nvmlDeviceGetUUID(lost)
+    gpus.start(
+        "device 0 cpu_affinity 0-7 numa_node 0\ndevice 1 cpu_affinity 8-15 numa_node 1\n"
+        "device 2 mig_mode 1 cpu_affinity 16-23\ndevice 3 mig_mode 1 cpu_affinity 24-31\n"
+        "mig 2 1 0 MIG-00000000-0000-4000-8000-000000000002 42949672960\n"
+        "mig 3 1 0 MIG-00000000-0000-4000-8000-000000000003 42949672960\n"
+        "fault 0 lost - 10 14\nfault 2 lost - 10 14\n",
+        at=8,
+        time_scale=10,
+    )
+    lost = lost_target(handle(0), handle(2))
+    uuid = pynvml.nvmlDeviceGetUUID(lost.gpu)
+    mig_uuid = pynvml.nvmlDeviceGetUUID(lost.mig)
     events = pynvml.nvmlEventSetCreate()
-    sample1, sample2 = pynvml.nvmlGpmSampleAlloc(), pynvml.nvmlGpmSampleAlloc()
-    pynvml.nvmlGpmSampleGet(lost, sample1)
-    pynvml.nvmlGpmSampleGet(lost, sample2)
-    calls = every_device_call(lost, events, sample1, sample2)
+    calls = every_device_call(lost, events)
     by_index_or_uuid = {"nvmlDeviceGetHandleByIndex_v2", "nvmlDeviceGetHandleByUUID"}
     assert set(calls) | by_index_or_uuid == set(exported_functions()) - SYSTEM_FUNCTIONS
     for call in calls.values():
         call()
-    healthy_samples = pynvml.nvmlGpmSampleAlloc(), pynvml.nvmlGpmSampleAlloc()
-    for sample in healthy_samples:
-        pynvml.nvmlGpmSampleGet(healthy, sample)
-    healthy_calls = every_device_call(healthy, events, *healthy_samples)
+    for mig_call in MIG_HANDLE_CALLS:
+        mig_call(lost.mig)
+    healthy = lost_target(handle(1), handle(3))
+    healthy_calls = every_device_call(healthy, events)
 
     gpus.sleep_until(11)
     answered = []
@@ -590,24 +687,33 @@ def test_a_lost_gpu_fails_every_device_call_then_recovers(gpus: FakeGpus) -> Non
             continue
         answered.append(name)
     assert answered == []
+    for mig_call in MIG_HANDLE_CALLS:  # a lost parent takes its MIG devices with it
+        with pytest.raises(pynvml.NVMLError_GpuIsLost):
+            mig_call(lost.mig)
     with pytest.raises(pynvml.NVMLError_GpuIsLost) as lost_error:
         pynvml.nvmlDeviceGetHandleByIndex(0)
     assert str(lost_error.value) == "GPU is lost"
-    with pytest.raises(pynvml.NVMLError_GpuIsLost):
-        pynvml.nvmlDeviceGetHandleByUUID(uuid)
-    assert pynvml.nvmlDeviceGetCount() == 2
+    for lost_uuid in (uuid, mig_uuid):
+        with pytest.raises(pynvml.NVMLError_GpuIsLost):
+            pynvml.nvmlDeviceGetHandleByUUID(lost_uuid)
+    assert pynvml.nvmlDeviceGetCount() == 4
     assert pynvml.nvmlDeviceGetIndex(handle(1)) == 1
     for call in healthy_calls.values():
         call()
+    for mig_call in MIG_HANDLE_CALLS:
+        mig_call(healthy.mig)
     assert gpus.now() < 14, "the machine was too slow to check inside the window"
 
     gpus.sleep_until(14.5)
     for call in calls.values():
         call()
+    for mig_call in MIG_HANDLE_CALLS:
+        mig_call(lost.mig)
     assert pynvml.nvmlDeviceGetIndex(pynvml.nvmlDeviceGetHandleByUUID(uuid)) == 0
+    assert pynvml.nvmlDeviceGetGpuInstanceId(pynvml.nvmlDeviceGetHandleByUUID(mig_uuid)) == 1
     pynvml.nvmlEventSetFree(events)
-    for sample in (sample1, sample2, *healthy_samples):
-        pynvml.nvmlGpmSampleFree(sample)
+    free_samples(lost)
+    free_samples(healthy)
 
 
 def test_function_and_field_faults_in_their_windows(gpus: FakeGpus) -> None:
@@ -767,6 +873,234 @@ def test_compute_processes_follow_the_two_call_protocol(gpus: FakeGpus) -> None:
     }
 
 
+MIG_UUID_1 = "MIG-11111111-1111-4111-8111-111111111111"
+MIG_UUID_2 = "MIG-22222222-2222-4222-8222-222222222222"
+MIG_GPUS = f"""
+device 0 mig_mode 1
+mig 0 1 0 {MIG_UUID_1} 42949672960
+mig 0 2 0 {MIG_UUID_2} 42949672960
+device 1                          # MIG-capable, MIG mode off
+device 2 max_mig_devices 0        # no MIG support at all
+process 0 100 1073741824 - -      # on the parent itself
+process 0:0 200 2147483648 - -
+process 0:1 300 3221225472 5 -
+process 0:1 301 1073741824 - 5
+fault 0:1 no_permission nvmlDeviceGetComputeRunningProcesses_v3 20 30
+"""
+
+
+def processes(device: Any) -> list[tuple[int, int, int, int]]:
+    return [
+        (p.pid, p.usedGpuMemory, p.gpuInstanceId, p.computeInstanceId)
+        for p in pynvml.nvmlDeviceGetComputeRunningProcesses(device)
+    ]
+
+
+def test_mig_devices_of_a_parent_in_mig_mode(gpus: FakeGpus) -> None:
+    scenario = gpus.write(MIG_GPUS)
+    gpus.start(scenario, at=10)
+    assert pynvml.nvmlDeviceGetCount() == 3  # parents only
+    gpu, plain, no_mig = handle(0), handle(1), handle(2)
+    assert pynvml.nvmlDeviceGetMigMode(gpu) == [1, 1]
+    assert pynvml.nvmlDeviceGetMigMode(plain) == [0, 0]
+    assert pynvml.nvmlDeviceGetMaxMigDeviceCount(gpu) == 7
+    assert pynvml.nvmlDeviceGetMaxMigDeviceCount(plain) == 0
+    for call in (
+        pynvml.nvmlDeviceGetMigMode,
+        pynvml.nvmlDeviceGetMaxMigDeviceCount,
+        lambda device: pynvml.nvmlDeviceGetMigDeviceHandleByIndex(device, 0),
+    ):
+        with pytest.raises(pynvml.NVMLError_NotSupported):
+            call(no_mig)
+    with pytest.raises(pynvml.NVMLError_NotFound):
+        pynvml.nvmlDeviceGetMigDeviceHandleByIndex(gpu, 2)  # a free slot
+    for parent, index in ((gpu, 7), (plain, 0)):
+        with pytest.raises(pynvml.NVMLError_InvalidArgument):
+            pynvml.nvmlDeviceGetMigDeviceHandleByIndex(parent, index)
+
+    first = pynvml.nvmlDeviceGetMigDeviceHandleByIndex(gpu, 0)
+    second = pynvml.nvmlDeviceGetMigDeviceHandleByIndex(gpu, 1)
+    assert pynvml.nvmlDeviceIsMigDeviceHandle(first).value == 1
+    assert pynvml.nvmlDeviceIsMigDeviceHandle(gpu).value == 0
+    parent = pynvml.nvmlDeviceGetDeviceHandleFromMigDeviceHandle(second)
+    assert ctypes.cast(parent, ctypes.c_void_p).value == ctypes.cast(gpu, ctypes.c_void_p).value
+    assert [pynvml.nvmlDeviceGetGpuInstanceId(m) for m in (first, second)] == [1, 2]
+    assert [pynvml.nvmlDeviceGetComputeInstanceId(m) for m in (first, second)] == [0, 0]
+    assert [pynvml.nvmlDeviceGetUUID(m) for m in (first, second)] == [MIG_UUID_1, MIG_UUID_2]
+    by_uuid = pynvml.nvmlDeviceGetHandleByUUID(MIG_UUID_2)
+    assert pynvml.nvmlDeviceGetGpuInstanceId(by_uuid) == 2
+    assert pynvml.nvmlDeviceGetName(second) == "NVIDIA H100 80GB HBM3 MIG"
+    memory = pynvml.nvmlDeviceGetMemoryInfo(second, version=pynvml.nvmlMemory_v2)
+    assert (memory.total, memory.reserved, memory.used, memory.free) == (
+        40 * GIB,
+        0,
+        3 * GIB,
+        37 * GIB,
+    )
+    memory_v1 = pynvml.nvmlDeviceGetMemoryInfo(first)
+    assert (memory_v1.total, memory_v1.used, memory_v1.free) == (40 * GIB, 2 * GIB, 38 * GIB)
+    assert pynvml.nvmlDeviceGetMemoryInfo(gpu).total == 80 * GIB  # the parent's own keys
+
+    no_mig_ids = 0xFFFFFFFF
+    assert processes(first) == [(200, 2 * GIB, 1, 0)]
+    assert processes(second) == [(300, 3 * GIB, 2, 0)]
+    assert processes(gpu) == [
+        (100, GIB, no_mig_ids, no_mig_ids),
+        (200, 2 * GIB, 1, 0),
+        (300, 3 * GIB, 2, 0),
+    ]
+    assert processes(plain) == []
+
+    # NVML has no utilization in MIG mode; MIG handles answer only what concerns an instance.
+    for device in (gpu, first):
+        with pytest.raises(pynvml.NVMLError_NotSupported):
+            pynvml.nvmlDeviceGetUtilizationRates(device)
+    assert pynvml.nvmlDeviceGetUtilizationRates(plain).gpu == 0
+    for call in (
+        pynvml.nvmlDeviceGetPowerUsage,
+        pynvml.nvmlDeviceGetSerial,
+        lambda device: pynvml.nvmlDeviceGetFieldValues(device, [186]),
+        pynvml.nvmlGpmQueryDeviceSupport,
+    ):
+        with pytest.raises(pynvml.NVMLError_NotSupported):
+            call(first)
+    parent_only: list[Callable[[Any], object]] = [
+        pynvml.nvmlDeviceGetIndex,
+        pynvml.nvmlDeviceGetMigMode,
+        pynvml.nvmlDeviceGetMaxMigDeviceCount,
+        lambda device: pynvml.nvmlDeviceGetMigDeviceHandleByIndex(device, 0),
+    ]
+    mig_only: list[Callable[[Any], object]] = [
+        pynvml.nvmlDeviceGetGpuInstanceId,
+        pynvml.nvmlDeviceGetComputeInstanceId,
+        pynvml.nvmlDeviceGetDeviceHandleFromMigDeviceHandle,
+    ]
+    for call, wrong in [(c, first) for c in parent_only] + [(c, gpu) for c in mig_only]:
+        with pytest.raises(pynvml.NVMLError_InvalidArgument):
+            call(wrong)
+    gpus.stop()
+
+    gpus.start(scenario, at=2)
+    assert processes(pynvml.nvmlDeviceGetMigDeviceHandleByIndex(handle(0), 1)) == [(301, GIB, 2, 0)]
+    gpus.stop()
+
+    gpus.start(scenario, at=25)  # `fault 0:1 ...` refuses MIG device 1 only
+    gpu = handle(0)
+    with pytest.raises(pynvml.NVMLError_NoPermission):
+        pynvml.nvmlDeviceGetComputeRunningProcesses(
+            pynvml.nvmlDeviceGetMigDeviceHandleByIndex(gpu, 1)
+        )
+    assert processes(pynvml.nvmlDeviceGetMigDeviceHandleByIndex(gpu, 0)) == [(200, 2 * GIB, 1, 0)]
+    assert [p[0] for p in processes(gpu)] == [100, 200, 300]
+
+
+def test_a_parent_fault_refuses_the_parent_call_only(gpus: FakeGpus) -> None:
+    gpus.start(MIG_GPUS + "fault 0 no_permission nvmlDeviceGetComputeRunningProcesses_v3 - -\n")
+    gpu = handle(0)
+    with pytest.raises(pynvml.NVMLError_NoPermission):
+        pynvml.nvmlDeviceGetComputeRunningProcesses(gpu)
+    assert processes(pynvml.nvmlDeviceGetMigDeviceHandleByIndex(gpu, 0)) == [(200, 2 * GIB, 1, 0)]
+
+
+def test_gpm_samples_of_a_gpu_instance(gpus: FakeGpus) -> None:
+    gpus.start(
+        MIG_GPUS + "at 10 0 gpm_sm_util_pct 42.5\nfault 0 no_permission nvmlGpmMigSampleGet 30 -\n",
+        at=9,
+        time_scale=10,
+    )
+    gpu, plain = handle(0), handle(1)
+    first, second, whole, other = (pynvml.nvmlGpmSampleAlloc() for _ in range(4))
+    pynvml.nvmlGpmMigSampleGet(gpu, 2, first)
+    gpus.sleep_until(11)
+    pynvml.nvmlGpmMigSampleGet(gpu, 2, second)
+    result = gpm_metrics(first, second, [pynvml.NVML_GPM_METRIC_SM_UTIL])
+    assert (result.metrics[0].nvmlReturn, result.metrics[0].value) == (0, 42.5)
+    pynvml.nvmlGpmSampleGet(gpu, whole)
+    pynvml.nvmlGpmMigSampleGet(gpu, 1, other)
+    for mixed in ((first, whole), (first, other)):  # another instance, or the whole GPU
+        with pytest.raises(pynvml.NVMLError_InvalidArgument):
+            gpm_metrics(*mixed, [pynvml.NVML_GPM_METRIC_SM_UTIL])
+    with pytest.raises(pynvml.NVMLError_NotFound):
+        pynvml.nvmlGpmMigSampleGet(gpu, 9, other)
+    with pytest.raises(pynvml.NVMLError_NotSupported):
+        pynvml.nvmlGpmMigSampleGet(plain, 1, other)  # not in MIG mode
+    with pytest.raises(pynvml.NVMLError_InvalidArgument):
+        pynvml.nvmlGpmMigSampleGet(pynvml.nvmlDeviceGetMigDeviceHandleByIndex(gpu, 0), 1, other)
+    gpus.sleep_until(31)
+    with pytest.raises(pynvml.NVMLError_NoPermission):
+        pynvml.nvmlGpmMigSampleGet(gpu, 2, second)
+    for sample in (first, second, whole, other):
+        pynvml.nvmlGpmSampleFree(sample)
+
+
+def test_cpu_affinity_and_numa_node(gpus: FakeGpus) -> None:
+    gpus.start(
+        "device 0 cpu_affinity 0-3,8,10-11,64,130 numa_node 1\n"
+        "device 1\n"  # neither key: NOT_SUPPORTED, as a driver that cannot tell
+        "device 2 mig_mode 1 cpu_affinity 5 numa_node 0\n"
+        "mig 2 1 0 MIG-33333333-3333-4333-8333-333333333333 1073741824\n"
+        "fault 2:0 unknown nvmlDeviceGetNumaNodeId - -\n"
+    )
+    gpu, plain = handle(0), handle(1)
+    expected = [0xF | 1 << 8 | 0b11 << 10, 1 << 0, 1 << 2, 0]
+    assert list(pynvml.nvmlDeviceGetCpuAffinity(gpu, 4)) == expected
+    assert list(pynvml.nvmlDeviceGetCpuAffinity(gpu, 1)) == expected[:1]  # CPUs 64+ dropped
+    for scope in (pynvml.NVML_AFFINITY_SCOPE_NODE, pynvml.NVML_AFFINITY_SCOPE_SOCKET):
+        assert list(pynvml.nvmlDeviceGetCpuAffinityWithinScope(gpu, 3, scope)) == expected[:3]
+    with pytest.raises(pynvml.NVMLError_InvalidArgument):
+        pynvml.nvmlDeviceGetCpuAffinityWithinScope(gpu, 3, 2)
+    cpu_set = (ctypes.c_ulonglong * 1)()
+    assert raw("nvmlDeviceGetCpuAffinity")(gpu, 0, ctypes.byref(cpu_set)) == (
+        pynvml.NVML_ERROR_INVALID_ARGUMENT
+    )
+    assert pynvml.nvmlDeviceGetNumaNodeId(gpu) == 1
+    unset: list[Callable[[], object]] = [
+        lambda: pynvml.nvmlDeviceGetCpuAffinity(plain, 1),
+        lambda: pynvml.nvmlDeviceGetCpuAffinityWithinScope(plain, 1, 1),
+        lambda: pynvml.nvmlDeviceGetNumaNodeId(plain),
+    ]
+    for call in unset:
+        with pytest.raises(pynvml.NVMLError_NotSupported):
+            call()
+
+    mig_gpu = handle(2)
+    mig = pynvml.nvmlDeviceGetMigDeviceHandleByIndex(mig_gpu, 0)
+    assert list(pynvml.nvmlDeviceGetCpuAffinity(mig, 1)) == [1 << 5]  # the parent's
+    assert pynvml.nvmlDeviceGetNumaNodeId(mig_gpu) == 0
+    with pytest.raises(pynvml.NVMLError_Unknown):
+        pynvml.nvmlDeviceGetNumaNodeId(mig)
+
+
+def test_the_shipped_mig_node_scenario(gpus: FakeGpus) -> None:
+    gpus.start(SCENARIOS / "mig_node.scn", at=5)
+    assert pynvml.nvmlDeviceGetCount() == 2
+    gpu0, gpu1 = handle(0), handle(1)
+    assert pynvml.nvmlDeviceGetMigMode(gpu0) == [1, 1]
+    assert pynvml.nvmlDeviceGetMigMode(gpu1) == [0, 0]
+    migs = [pynvml.nvmlDeviceGetMigDeviceHandleByIndex(gpu0, i) for i in (0, 1)]
+    assert [pynvml.nvmlDeviceGetUUID(m) for m in migs] == [MIG_UUID_1, MIG_UUID_2]
+    assert [pynvml.nvmlDeviceGetGpuInstanceId(m) for m in migs] == [1, 2]
+    assert [pynvml.nvmlDeviceGetMemoryInfo(m).total for m in migs] == [40 * GIB, 40 * GIB]
+    assert [processes(m) for m in migs] == [[(5101, 20 * GIB, 1, 0)], [(5202, 30 * GIB, 2, 0)]]
+    assert [p[0] for p in processes(gpu0)] == [5101, 5202]
+    assert processes(gpu1) == [(5303, 64 * GIB, 0xFFFFFFFF, 0xFFFFFFFF)]
+    with pytest.raises(pynvml.NVMLError_NotSupported):
+        pynvml.nvmlDeviceGetUtilizationRates(gpu0)
+    assert pynvml.nvmlDeviceGetUtilizationRates(gpu1).gpu == 98
+
+    average, instant = pynvml.NVML_FI_DEV_POWER_AVERAGE, pynvml.NVML_FI_DEV_POWER_INSTANT
+    power = []
+    for gpu in (gpu0, gpu1):
+        values = fields(gpu, [average, instant])
+        assert pynvml.nvmlDeviceGetPowerUsage(gpu) == values[average].value.uiVal
+        power.append((values[average].value.uiVal, values[instant].value.uiVal))
+    assert power == [(338_000, 352_000), (497_000, 512_000)]
+
+    assert [list(pynvml.nvmlDeviceGetCpuAffinity(g, 1)) for g in (gpu0, gpu1)] == [[1], [2]]
+    assert list(pynvml.nvmlDeviceGetCpuAffinity(migs[1], 1)) == [1]
+    assert [pynvml.nvmlDeviceGetNumaNodeId(g) for g in (gpu0, gpu1)] == [0, 1]
+
+
 def test_xid_events_are_delivered_once_in_time_order(gpus: FakeGpus) -> None:
     gpus.start(
         "device 0\ndevice 1\n"
@@ -889,6 +1223,41 @@ def test_gpm_metrics_come_from_the_second_sample(gpus: FakeGpus) -> None:
         pynvml.nvmlGpmSampleFree(first)
 
 
+def test_a_refused_gpm_sample_stays_allocated_until_freed(
+    gpus: FakeGpus, fake_library: Path
+) -> None:
+    outstanding = ctypes.CDLL(str(fake_library)).fakenvml_gpm_samples_outstanding
+    outstanding.restype = ctypes.c_uint
+    gpus.start(
+        "device 0\ndevice 1\n"
+        "fault 0 no_permission nvmlGpmSampleGet - -\n"
+        "fault 1 no_permission nvmlGpmQueryDeviceSupport 10 20\n",
+        at=15,
+    )
+    refused, healthy = handle(0), handle(1)
+    assert outstanding() == 0
+    first, second = pynvml.nvmlGpmSampleAlloc(), pynvml.nvmlGpmSampleAlloc()
+    assert outstanding() == 2
+    assert pynvml.nvmlGpmQueryDeviceSupport(refused).isSupportedDevice == 1
+    with pytest.raises(pynvml.NVMLError_NoPermission):
+        pynvml.nvmlGpmSampleGet(refused, first)
+    with pytest.raises(pynvml.NVMLError_NoPermission):
+        pynvml.nvmlGpmQueryDeviceSupport(healthy)
+    pynvml.nvmlGpmSampleGet(healthy, second)
+    with pytest.raises(pynvml.NVMLError_InvalidArgument):
+        gpm_metrics(first, second, [pynvml.NVML_GPM_METRIC_SM_UTIL])  # first was never taken
+    assert outstanding() == 2
+    pynvml.nvmlGpmSampleFree(first)
+    assert outstanding() == 1
+    pynvml.nvmlGpmSampleFree(second)
+    assert outstanding() == 0
+
+    pynvml.nvmlGpmSampleAlloc()  # leaked ...
+    assert outstanding() == 1
+    gpus.stop()  # ... until the last nvmlShutdown frees everything
+    assert outstanding() == 0
+
+
 MALFORMED = [
     ("device 0\nat 0 0 bogus_key 1\n", 2, "unknown key 'bogus_key'"),
     ("device 0\n\n# fine\nat 0 0 power_mw lots\n", 4, "bad number 'lots' for key 'power_mw'"),
@@ -901,6 +1270,32 @@ MALFORMED = [
     ("device 0\nat 0 0 sm_clock_mhz 1.5\n", 2, "key 'sm_clock_mhz' takes an integer, not '1.5'"),
     ("device 0 pci_bus_id 17:00\n", 1, "bad pci_bus_id"),
     ("set time_scale 0\n", 1, "bad time_scale"),
+    ("device 0\nmig 0 1 0 MIG-a 1\n", 2, "device 0 is not in MIG mode"),
+    ("device 0 mig_mode 1\nmig 0 1 0 GPU-a 1\n", 2, "a MIG device's uuid starts with 'MIG-'"),
+    (
+        "device 0 mig_mode 1 max_mig_devices 1\nmig 0 1 0 MIG-a 1\nmig 0 2 0 MIG-b 1\n",
+        3,
+        "device 0 already has max_mig_devices (1) MIG devices",
+    ),
+    (
+        "device 0 mig_mode 1\nmig 0 1 0 MIG-a 1\nmig 0 1 0 MIG-b 1\n",
+        3,
+        "device 0 already has GPU instance 1",
+    ),
+    ("device 0 mig_mode 1\nmig 0 1 0 MIG-a 1\nmig 0 2 0 MIG-a 1\n", 3, "MIG uuid MIG-a is"),
+    (
+        "device 0 mig_mode 1\nmig 0 1 0 MIG-a 1\ndevice 0 mig_mode 0\n",
+        3,
+        "mig_mode is 0 or 1, and stays 1",
+    ),
+    ("device 0 mig_mode 2\n", 1, "mig_mode is 0 or 1"),
+    ("device 0 max_mig_devices 17\n", 1, "max_mig_devices is at most 16"),
+    ("device 0\nprocess 0:0 1 1 - -\n", 2, "MIG device 0:0 is not declared"),
+    ("device 0\nfault 0: lost - - -\n", 2, "bad device '0:'"),
+    ("device 0 cpu_affinity 3-1\n", 1, "bad cpu_affinity '3-1'"),
+    ("device 0 cpu_affinity 0,,2\n", 1, "bad cpu_affinity '0,,2'"),
+    ("device 0 cpu_affinity 4096\n", 1, "bad cpu_affinity '4096'"),
+    ("device 0\nat 0 0 numa_node 1\n", 2, "key 'numa_node' is static"),
 ]
 
 

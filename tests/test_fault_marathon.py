@@ -35,7 +35,7 @@ device 1 name "NVIDIA H100 80GB HBM3" uuid {UUID1}
 at 0 0 sm_clock_mhz 1410 power_mw 500000 reasons 0x0
 at 0 1 sm_clock_mhz 1410 power_mw 500000 reasons 0x0
 fault 0 lost - 20 35
-fault 1 timeout nvmlDeviceGetPowerUsage 40 50
+fault 1 timeout nvmlDeviceGetTotalEnergyConsumption 40 50
 """
 
 # Probe runs are counted in a file; the 2nd aborts, the 3rd hangs, the rest run on the CPU.

@@ -72,6 +72,7 @@ def test_kill_9_during_probes_and_writes_loses_nothing(tmp_path: Path) -> None:
             initial_delay_seconds = 0
             duty_cycle = 1.0
             busy_cpu_utilization = 1.0
+            preempt = false  # the suite's other processes are foreign work too
             [[probing.plan]]
             workload = "matmul"
             precisions = ["fp32"]
@@ -120,8 +121,9 @@ def test_kill_9_during_probes_and_writes_loses_nothing(tmp_path: Path) -> None:
     assert "running" not in outcomes
     # Every kill hit a running probe (we waited for one); the ones it interrupted before they
     # finished are aborted. A kill can also land just after the run's end was spooled: then the
-    # run is ok, which is right, and there are fewer aborted runs than kills.
-    assert 1 <= outcomes.count("aborted") <= ROUNDS
+    # run is ok, which is right, and there are fewer aborted runs than kills. The final SIGTERM
+    # may stop one more run (probes follow each other every 2 s): the agent records it aborted.
+    assert 1 <= outcomes.count("aborted") <= ROUNDS + 1
     assert set(outcomes) == {"ok", "aborted"}
     text = log.read_text()
     assert "recorded as aborted" in text

@@ -55,6 +55,7 @@ def test_eight_agents_write_one_database_at_once(postgres_url: str, tmp_path: Pa
                 initial_delay_seconds = {3 + 3 * index}
                 duty_cycle = 1.0
                 busy_cpu_utilization = 1.0
+                preempt = false  # the other agents' probes are foreign work to each
                 [[probing.plan]]
                 workload = "matmul"
                 precisions = ["fp32"]

@@ -29,7 +29,6 @@ from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
 from pydantic import BaseModel
 
-from agent import config
 from agent.analysis.input import (
     LARGEST_VALUE,
     SMALLEST_VALUE,
@@ -37,7 +36,8 @@ from agent.analysis.input import (
     analyze_file,
     read_series,
 )
-from agent.probes import (
+from agent.config import settings as config
+from agent.probes.runner import (
     CPU,
     MAX_LINE_BYTES,
     STDERR_LINES,

@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -211,6 +212,37 @@ def test_memory_in_bytes() -> None:
     assert value(sample, "memory_total_bytes") == 32594180 * 1024
     assert value(sample, "memory_available_bytes") == 21466352 * 1024
     assert value(sample, "memory_used_bytes") == (32594180 - 21466352) * 1024
+
+
+def test_memory_is_read_by_psutil_under_the_collectors_procfs_root(tree: Path) -> None:
+    collector = collector_for(tree)
+    assert str(tree / "proc") == psutil.PROCFS_PATH  # one process, one procfs root
+    meminfo = tree / "proc" / "meminfo"
+    meminfo.write_text(meminfo.read_text().replace("21466352 kB", "1048576 kB"))
+    sample = poll(collector)
+    assert value(sample, "memory_available_bytes") == 1048576 * 1024
+    assert value(sample, "memory_used_bytes") == (32594180 - 1048576) * 1024
+
+
+def test_memory_without_memavailable_is_estimated(tree: Path) -> None:
+    # Kernels before 3.14 have no MemAvailable; psutil estimates it as free(1) does.
+    meminfo = tree / "proc" / "meminfo"
+    lines = meminfo.read_text().splitlines(keepends=True)
+    meminfo.write_text("".join(line for line in lines if not line.startswith("MemAvailable:")))
+    sample = poll(collector_for(tree))
+    total = value(sample, "memory_total_bytes")
+    available = value(sample, "memory_available_bytes")
+    assert 9812344 * 1024 <= available <= total  # at least MemFree
+    assert value(sample, "memory_used_bytes") == total - available
+    assert sample.errors == ()
+
+
+def test_unparsable_meminfo_is_counted(tree: Path) -> None:
+    (tree / "proc" / "meminfo").write_text("MemTotal: lots kB\n")
+    sample = poll(collector_for(tree))
+    assert values(sample, "memory_total_bytes") == {}
+    assert sample.errors == ("parse",)
+    assert values(sample, "load1")
 
 
 def test_load_averages() -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -24,15 +25,17 @@ from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy import text
 
 from agent.archive.database import open_engine, upgrade
+from agent.archive.job import ArchiveJob
 from agent.archive.sink import ArchiveSink
 from agent.archive.spool import Spool
-from agent.archiving import ArchiveJob
-from agent.buffers import TelemetryStore
-from agent.exposition import AgentMetrics
-from agent.rollup import RollupBuilder
-from agent.sampler import SamplerLoop
+from agent.exporter.metrics import AgentMetrics
+from agent.telemetry.rollup import RollupBuilder
+from agent.telemetry.sampler import SamplerLoop
+from agent.telemetry.store import TelemetryStore
 from collectors.base import Event, Sample
-from collectors.nvml import FIELDS, REASONS, NvmlCollector
+from collectors.nvml.collector import NvmlCollector
+from collectors.nvml.fields import FIELDS, REASONS
+from collectors.nvml.library import NvmlLibrary
 
 ROOT = Path(__file__).parent.parent
 SCENARIOS = Path(__file__).parent / "fakenvml" / "scenarios"
@@ -88,7 +91,7 @@ def test_every_field_in_base_units_with_the_scenario_values(
     assert dict(system.readings[0].labels) == {
         "driver_version": "550.54.15",
         "nvml_version": "12.550.54.15",
-        "cuda_driver_version": "12040",
+        "cuda_driver_version": "12.4",
     }
     assert value(gpu, "gpu_healthy") == 1.0
     assert values(gpu, "gpu_clock_hertz") == {
@@ -160,8 +163,12 @@ def test_every_field_in_base_units_with_the_scenario_values(
     assert value(gpu, "gpu_tensor_activity_ratio") == pytest.approx(0.60)
     assert value(gpu, "gpu_foreign_compute_processes") == 1
     assert gpu.errors == ()
-    # Every field of the catalogue was read (the GPM ones need the second poll).
-    assert {r.field for s in samples for r in s.readings} == set(FIELDS)
+    # Every field of the catalogue was read (the GPM ones need the second poll), but those of
+    # MIG devices and the topology, which tests/test_nvml_defects.py reads on a MIG node.
+    mig_node_only = {key for key in FIELDS if key.startswith("gpu_mig_") and key != "gpu_mig_mode"}
+    assert {r.field for s in samples for r in s.readings} == (
+        set(FIELDS) - mig_node_only - {"gpu_topology_info"}
+    )
     xids = [event for s in samples for event in s.events if event.kind == "xid"]
     assert [(e.device, dict(e.attributes)) for e in xids] == [(UUID0, {"xid": "79"})]
 
@@ -287,6 +294,7 @@ at 0 0 fan_pct 40 power_mw 300000
 at 0 1 fan_pct 45 power_mw 310000
 fault 1 unsupported nvmlDeviceGetFanSpeed - -
 fault 0 timeout nvmlDeviceGetPowerUsage - -
+fault 0 timeout field:186 - -
 fault 1 no_permission nvmlDeviceGetTotalEnergyConsumption - -
 """
 )
@@ -307,11 +315,13 @@ def test_unsupported_field_is_absent_for_that_device_only(
         for family in text_string_to_metric_families(generate_latest(registry).decode())
     }
     assert exposed["sustain_gpu_fan_speed_ratio"] == {UUID0}
-    assert exposed["sustain_gpu_power_watts"] == {UUID1}  # GPU 0 timed out: no value, no 0
+    # GPU 0 timed out (the instant field and the fallback call): no value, no 0
+    assert exposed["sustain_gpu_power_watts"] == {UUID1}
     assert exposed["sustain_gpu_energy_joules"] == {UUID0}
     assert exposed["sustain_gpu_clock_hertz"] == {UUID0, UUID1}
-    # The timeout is counted; not-supported and no-permission are states, not errors.
-    assert loop.status().errors == {"timeout": 1}
+    # The timeouts are counted (the instant power field's and the fallback call's);
+    # not-supported and no-permission are states, not errors.
+    assert loop.status().errors == {"timeout": 2}
 
 
 def run_python(code: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
@@ -331,7 +341,7 @@ def run_python(code: str, env: dict[str, str]) -> subprocess.CompletedProcess[st
 POLL_AND_PRINT = """
 import json, logging, time
 logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-from collectors.nvml import NvmlCollector
+from collectors.nvml.collector import NvmlCollector
 from collectors.base import SourceUnavailable
 collector = NvmlCollector()
 out = []
@@ -339,7 +349,7 @@ for _ in range(3):
     try:
         samples = collector.collect()
     except SourceUnavailable as exc:
-        out.append({"unavailable": str(exc)})
+        out.append({"absent": exc.reason})
         continue
     out.append({s.device: sorted({r.field for r in s.readings}) for s in samples})
     time.sleep(0.05)
@@ -379,13 +389,95 @@ def test_older_driver_without_the_current_calls_uses_the_fallbacks(tmp_path: Pat
         assert result.stderr.count(f"lacks {name}") == 1, result.stderr
 
 
-def test_no_driver_reports_down_once_and_raises_source_unavailable(tmp_path: Path) -> None:
+def test_no_library_is_absent_with_one_log_line(tmp_path: Path) -> None:
+    """No libnvidia-ml.so.1 at all (this machine, a CPU-only node): the source is absent, said
+    once, and not looked for again at every poll."""
     result = run_python(POLL_AND_PRINT, {"LD_LIBRARY_PATH": str(tmp_path)})
     assert result.returncode == 0, result.stderr
     polls = json.loads(result.stdout)
-    assert all("unavailable" in poll for poll in polls)
+    assert polls == [{"absent": "library_not_found"}] * 3
     assert result.stderr.count("NVML unavailable") == 1, result.stderr
+    assert "not an error" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+class ManualClock:
+    """Monotonic seconds that a test moves on by hand: NVML's retry waits without the wait."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def poll_until(loop: SamplerLoop, clock: ManualClock, end: float, step: float = 10.0) -> float:
+    """Poll every ``step`` seconds of ``clock`` until the collector is up; the time it came up,
+    or ``end``."""
+    while clock.now < end:
+        loop.poll_once()
+        status = loop.status()
+        if status.up:
+            return clock.now
+        clock.now += step
+    return end
+
+
+def test_driver_not_loaded_is_absent_then_picked_up_at_the_next_retry(
+    fake_nvml: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The fake library without a scenario answers NVML_ERROR_DRIVER_NOT_LOADED, as the real one
+    does before its kernel module is loaded; setting the scenario is the driver being loaded.
+    Retries back off 60, 120, 240, then every 300 s; no error is counted meanwhile."""
+    monkeypatch.delenv("FAKENVML_SCENARIO", raising=False)
+    clock = ManualClock()
+    collector = NvmlCollector(library=NvmlLibrary(clock=clock))
+    loop = SamplerLoop(collector, 1.0, sinks=(), stall_seconds=30)
+    try:
+        with caplog.at_level(logging.INFO, logger="collectors.nvml"):
+            # Loaded at 800 s: found at the retry at 1020 s (0 + 60 + 120 + 240 + 300 + 300),
+            # not at 1260 s (an uncapped doubling) nor at the next poll.
+            assert poll_until(loop, clock, end=800) == 800
+            status = loop.status()
+            assert (status.up, status.absent, status.errors) == (False, "driver_not_loaded", {})
+            path = tmp_path / "scenario.scn"
+            path.write_text(HEADER)
+            monkeypatch.setenv("FAKENVML_SCENARIO", str(path))
+            assert poll_until(loop, clock, end=2000) == 1020
+        status = loop.status()
+        assert (status.up, status.absent, status.errors) == (True, None, {})
+        assert {sample.device for sample in collector.collect()} == {"system", UUID0, UUID1}
+        absent_lines = [r for r in caplog.records if "NVML unavailable" in r.getMessage()]
+        assert len(absent_lines) == 1, caplog.text
+        assert "Driver Not Loaded (driver_not_loaded)" in absent_lines[0].getMessage()
+    finally:
+        collector.close()
+
+
+def test_a_driver_that_fails_to_start_is_down_and_counted(
+    fake_nvml: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A driver that is there and fails (the fake one on a scenario it cannot read answers
+    NVML_ERROR_UNKNOWN) is a fault, not an absence: down, counted at every poll, tried again
+    every 60 s, and picked up once it starts."""
+    path = tmp_path / "scenario.scn"
+    path.write_text("no such directive\n")
+    monkeypatch.setenv("FAKENVML_SCENARIO", str(path))
+    clock = ManualClock()
+    collector = NvmlCollector(library=NvmlLibrary(clock=clock))
+    loop = SamplerLoop(collector, 1.0, sinks=(), stall_seconds=30)
+    try:
+        assert poll_until(loop, clock, end=100) == 100
+        status = loop.status()
+        assert (status.up, status.absent, status.errors) == (False, None, {"collect": 10})
+        path.write_text(HEADER)
+        assert poll_until(loop, clock, end=300) == 120  # tried at 0, 60, 120
+        assert loop.status().up
+    finally:
+        collector.close()
 
 
 def test_sustain_run_serves_gpu_families_with_the_fake_driver(

@@ -13,12 +13,12 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from agent.buffers import TelemetryStore
-from agent.config import ProbingSection
-from agent.exposition import AgentMetrics
-from agent.probes import CPU, ProbeRun, ProbeRunner, ProbeSpec
-from agent.probing import ProbeScheduler, TelemetryCapture
-from agent.sampler import SamplerLoop
+from agent.config.settings import ProbingSection
+from agent.exporter.metrics import AgentMetrics
+from agent.probes.runner import CPU, ProbeRun, ProbeRunner, ProbeSpec
+from agent.probes.scheduler import ProbeScheduler, TelemetryCapture
+from agent.telemetry.sampler import SamplerLoop
+from agent.telemetry.store import TelemetryStore
 from collectors.host import HostCollector
 
 
@@ -126,7 +126,9 @@ def test_inference_probe_exports_its_latency_percentiles() -> None:
     scheduler = ProbeScheduler(
         ProbingSection(duty_cycle=1.0), ProbeRunner(), store, capture, (loop,), 1.0
     )
-    run = scheduler.run_one(ProbeSpec("inference", "fp32", "eager", 3.0, CPU, "small"), force=True)
+    # 8 s: at least the analysis minimum of 30 decode steps even when a loaded machine makes a
+    # step take 0.15 s (a shorter run is insufficient, no longer ok).
+    run = scheduler.run_one(ProbeSpec("inference", "fp32", "eager", 8.0, CPU, "small"), force=True)
     assert run.outcome == "ok", run.reason
     registry = CollectorRegistry(auto_describe=False)
     registry.register(AgentMetrics(store, {}, lambda: [], 15.0, probes=scheduler.status))

@@ -21,14 +21,14 @@ from sqlalchemy import Engine, text
 
 from agent.archive.database import open_engine, upgrade
 from agent.archive.probe_runs import ProbeRunWriter
-from agent.buffers import TelemetryStore
-from agent.config import ProbingSection
-from agent.probes import CPU, ProbeRun, ProbeRunner, ProbeSpec, child_environment
-from agent.probing import ProbeScheduler, TelemetryCapture, gpu_devices
-from agent.sampler import SamplerLoop
+from agent.config.settings import ProbingSection
+from agent.probes.runner import CPU, ProbeRun, ProbeRunner, ProbeSpec, child_environment
+from agent.probes.scheduler import ProbeScheduler, TelemetryCapture, gpu_devices
+from agent.telemetry.sampler import SamplerLoop
+from agent.telemetry.store import TelemetryStore
 from collectors.base import Reading, Sample
 from collectors.host import HostCollector
-from collectors.nvml import NvmlCollector
+from collectors.nvml.collector import NvmlCollector
 
 SPEC = ProbeSpec("matmul", "fp32", "eager", 0.5, CPU)
 
@@ -330,14 +330,18 @@ def test_stopping_the_runner_aborts_the_running_probe() -> None:
 
 def test_the_daemon_process_never_imports_torch() -> None:
     code = (
-        "import sys, agent.daemon, agent.cli, agent.probing; "
-        "print(*(m in sys.modules for m in ('torch', 'workloads', 'scipy', 'agent.analysis')))"
+        "import sys, agent.daemon, agent.cli.main, agent.probes.scheduler; "
+        "print(*(m in sys.modules for m in ('torch', 'numpy', 'scipy', 'agent.analysis'))); "
+        "print(*sorted(m for m in sys.modules if m.split('.')[0] == 'workloads'))"
     )
     result = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
     )
+    imported, workloads = result.stdout.splitlines()
     # scipy and the analysis stay out too: they alone would take the daemon past 100 MB.
-    assert result.stdout.split() == ["False", "False", "False", "False"]
+    assert imported.split() == ["False", "False", "False", "False"]
+    # Of the workloads only the catalogue of names, plain data, for checking the configuration.
+    assert workloads.split() == ["workloads", "workloads.catalog"]
 
 
 def test_sustain_probe_json_from_the_command_line() -> None:
@@ -355,6 +359,7 @@ def test_sustain_probe_json_from_the_command_line() -> None:
             "--duration",
             "5",
             "--json",
+            "--force",  # the suite's own load must not skip it; the busy check is tested apart
         ],
         capture_output=True,
         text=True,
@@ -380,7 +385,7 @@ def test_sustain_probe_json_from_the_command_line() -> None:
 
 def sustain_probe(*args: str) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SUSTAIN_", "FAKENVML_"))}
-    env["COLUMNS"] = "200"  # rich wraps its table to the terminal width
+    env["COLUMNS"] = "100"  # the widest a block of the text output gets
     return subprocess.run(
         [sys.executable, "-m", "agent", "probe", *args],
         capture_output=True,
@@ -394,30 +399,37 @@ def sustain_probe(*args: str) -> subprocess.CompletedProcess[str]:
 def test_sustain_probe_reports_each_precision_against_the_best() -> None:
     """Each precision's throughput is put against the device's best one, so a slow fallback path
     (fp16 on this CPU) shows as a ratio, not as an error; fp8 cannot run here: unsupported, with
-    the reason, never a number."""
+    the reason, never a number. A run bounded before the analysis minimum is insufficient (a
+    timeout that says so), never ok: the machine's load decides which, so both are accepted."""
     result = sustain_probe(
         "--workload", "matmul", "--precision", "bf16", "--precision", "fp16",
-        "--precision", "fp8", "--duration", "2", "--json",
+        "--precision", "fp8", "--duration", "3", "--force", "--json",
     )  # fmt: skip
-    assert result.returncode == 0, result.stderr
     runs = {run["precision"]: run for run in json.loads(result.stdout)["runs"]}
-    best = max(runs["bf16"]["throughput"], runs["fp16"]["throughput"])
+    finished = {p: runs[p] for p in ("bf16", "fp16") if runs[p]["outcome"] == "ok"}
     for precision in ("bf16", "fp16"):
-        assert runs[precision]["outcome"] == "ok"
-        assert runs[precision]["ratio_to_best"] == pytest.approx(
-            runs[precision]["throughput"] / best
-        )
-    assert sorted([runs["bf16"]["ratio_to_best"], runs["fp16"]["ratio_to_best"]])[1] == 1.0
+        if precision not in finished:
+            assert runs[precision]["outcome"] == "timeout", runs[precision]
+            assert runs[precision]["reason"].startswith("insufficient: "), runs[precision]
+            assert runs[precision]["ratio_to_best"] is None
+    assert result.returncode == (0 if len(finished) == 2 else 1), result.stderr
+    if finished:
+        best = max(run["throughput"] for run in finished.values())
+        for run in finished.values():
+            assert run["iterations"] >= 30
+            assert run["ratio_to_best"] == pytest.approx(run["throughput"] / best)
+        assert max(run["ratio_to_best"] for run in finished.values()) == 1.0
     assert runs["fp8"]["outcome"] == "unsupported"
     assert "8.9" in runs["fp8"]["reason"] or "CUDA" in runs["fp8"]["reason"]
     assert runs["fp8"]["throughput"] is None
     assert runs["fp8"]["ratio_to_best"] is None
 
-    table = sustain_probe("--workload", "matmul", "--precision", "fp8", "--duration", "1")
-    assert table.returncode == 0, table.stderr
-    assert "sustain probe results" in table.stdout
-    assert "unsupported" in table.stdout
-    assert "vs best" in table.stdout
+    # --force: the busy check (another matter) must not skip it on a loaded test machine.
+    text = sustain_probe("--workload", "matmul", "--precision", "fp8", "--duration", "1", "--force")
+    assert text.returncode == 0, text.stderr
+    assert text.stdout.startswith("matmul fp8 eager on cpu: unsupported\n"), text.stdout
+    reason = text.stdout.splitlines()[1].split()
+    assert reason[0] == "reason"
 
 
 def test_sustain_probe_unknown_device_is_one_line_exit_2() -> None:
@@ -442,6 +454,7 @@ def test_the_daemon_runs_its_plan_and_archives_the_runs(tmp_path: Path) -> None:
             [probing]
             initial_delay_seconds = 0
             duty_cycle = 0.5
+            preempt = false  # the suite's other processes are foreign work too
 
             [[probing.plan]]
             workload = "matmul"

@@ -205,14 +205,14 @@ def stack_running(fake_nvml: Path, tmp_path: Path) -> Iterator[tuple[str, Path]]
             [[probing.plan]]
             workload = "matmul"
             precisions = ["fp32"]
-            duration_seconds = 2
+            duration_seconds = 4  # three whole one-second windows at least: a p10 and a p50
             size = "small"
             interval_seconds = 30
             jitter_seconds = 0
             [[probing.plan]]
             workload = "inference"
             precisions = ["fp32"]
-            duration_seconds = 2
+            duration_seconds = 6  # 30 decode steps even at 0.2 s each on a loaded machine
             size = "small"
             interval_seconds = 300
             jitter_seconds = 0
@@ -310,7 +310,16 @@ def test_every_dashboard_query_and_rule_returns_data(stack_running: tuple[str, P
     for record in records:
         if not api(base, "query", query=record)["result"]:
             empty.append(f"recording rule {record}")
-    assert not empty, "no data:\n" + "\n".join(empty)
+    # On failure, what the probes did: tells a missing run from a missing figure.
+    probes = (
+        ""
+        if not empty
+        else (
+            f"\nthroughput: {api(base, 'query', query='sustain_probe_throughput')['result']}"
+            f"\n{(logs / 'agent.log').read_text()[-6000:]}"
+        )
+    )
+    assert not empty, "no data:\n" + "\n".join(empty) + probes
 
     # The thermal alert: pending or firing for the throttled GPU (1) only.
     alerts = [

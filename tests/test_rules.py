@@ -5,6 +5,7 @@
   `apt-get install prometheus`) or point $PROMTOOL at one.
 - Every alert has a test case in which it fires and one in which it is expected silent, and every
   recording rule is evaluated by a `promql_expr_test`.
+- A CPU-only node's series (tests/cpu_node.yml) are expected to fire none of the alerts.
 - Every metric a rule reads is in the catalogue (docs/metrics.md), with labels it has there.
 - Every alert has a severity, a summary, a description and a runbook_url whose anchor is a
   section of docs/alerts.md; every recording rule is in that page's table.
@@ -188,6 +189,16 @@ def test_every_alert_has_a_firing_and_a_silent_case() -> None:
         if name not in tested_records
     )
     assert not problems, "\n".join(problems)
+
+
+def test_a_cpu_only_node_is_expected_to_fire_no_alert() -> None:
+    """cpu_node.yml feeds a CPU-only node's real series (no NVIDIA driver): every alert of
+    rules.yml, those added later included, is expected silent there."""
+    suite = _load_yaml(RULE_TESTS / "cpu_node.yml")
+    checks = [check for case in suite["tests"] for check in case.get("alert_rule_test", [])]
+    assert [check["alertname"] for check in checks if check.get("exp_alerts")] == []
+    unchecked = set(_rules().alerts) - {check["alertname"] for check in checks}
+    assert not unchecked, f"cpu_node.yml does not expect {sorted(unchecked)} silent"
 
 
 def test_rules_read_catalogued_metrics_only() -> None:

@@ -13,10 +13,10 @@ from collections.abc import Mapping, Sequence
 
 import pytest
 
-from agent.buffers import RingBuffer, TelemetryStore
-from agent.rollup import RollupBuilder, p95
-from agent.sampler import SamplerLoop
-from collectors.base import CollectorError, Field, Reading, Sample
+from agent.telemetry.rollup import RollupBuilder, p95
+from agent.telemetry.sampler import SamplerLoop
+from agent.telemetry.store import RingBuffer, TelemetryStore
+from collectors.base import CollectorError, Field, Reading, Sample, SourceUnavailable
 
 GAUGE = Field("thing", "ratio", "gauge", "A test gauge.", windowed=True)
 COUNTER = Field("energy", "joules", "counter", "A test counter.", labels=("zone",))
@@ -166,6 +166,25 @@ def test_loop_isolates_and_counts_failures_and_overruns() -> None:
     assert status.missed_polls >= 2
     assert status.up
     assert [s.readings[0].value for s in seen[:3]] == [0.5, 0.0, 0.7]
+
+
+def test_an_absent_source_counts_no_error_and_a_failing_one_does() -> None:
+    """SourceUnavailable (no driver on this node) makes the collector absent, not down: nothing
+    is counted. A CollectorError afterwards is a fault again; a good poll clears both."""
+    absent = SourceUnavailable("NVML unavailable: Driver Not Loaded", "driver_not_loaded")
+    collector = ScriptedCollector([absent, absent, CollectorError("broken"), 0.5])
+    loop = SamplerLoop(collector, 1.0, sinks=(), stall_seconds=5)
+    states = []
+    for _ in range(4):
+        loop.poll_once()
+        status = loop.status()
+        states.append((status.up, status.absent, dict(status.errors)))
+    assert states == [
+        (False, "driver_not_loaded", {}),
+        (False, "driver_not_loaded", {}),
+        (False, None, {"collect": 1}),
+        (True, None, {"collect": 1}),
+    ]
 
 
 def test_a_failing_sink_does_not_stop_sampling() -> None:

@@ -27,11 +27,12 @@ from conftest import Running, fetch, start_agent
 from prometheus_client import CollectorRegistry
 from sqlalchemy import create_engine, inspect, text
 
-from agent import config, webconfig
-from agent.config import DriftSection
-from agent.drift_job import DriftJob
-from agent.probes import CPU, ProbeDevice, child_environment
-from agent.server import BasicAuth, ExporterApp, ExporterServer, ListenError
+from agent.config import settings as config
+from agent.config import webconfig
+from agent.config.settings import DriftSection
+from agent.drift.job import DriftJob
+from agent.exporter.server import BasicAuth, ExporterApp, ExporterServer, ListenError
+from agent.probes.runner import CPU, ProbeDevice, child_environment
 
 SUSTAIN = [sys.executable, "-m", "agent"]
 USER = "prometheus"
@@ -330,6 +331,12 @@ BAD_WEB_CONFIGS = [
         f"basic_auth_users.{USER}: not a bcrypt hash",
         id="not-bcrypt",
     ),
+    pytest.param(  # was a traceback: OSError from is_file()
+        "tls_server_config:\n  cert_file: " + "a" * 300 + "\n  key_file: {key}\n",
+        "tls_server_config.cert_file: cannot use the path: File name too long",
+        id="name-too-long",
+    ),
+    pytest.param("[" * 5000 + "\n", "YAML nested too deeply", id="deep-nesting"),  # RecursionError
 ]
 
 
@@ -345,7 +352,7 @@ def test_bad_web_config_is_one_line_and_exit_2(
     checked = sustain("config", "check", str(toml))
     assert checked.returncode == 2, checked
     (line,) = checked.stdout.splitlines()
-    assert line.startswith(f"exporter.web_config_file: {expected}"), line
+    assert line.startswith(f"{toml}: exporter.web_config_file: {expected}"), line
     assert line.endswith(f"(got {str(web)!r})"), line
 
     ran = sustain("run", "--config", str(toml), "--data-dir", str(tmp_path), "--listen", ":0")
@@ -430,7 +437,7 @@ def test_key_problems_are_found_by_config_check(pki: Pki, tmp_path: Path) -> Non
         toml = agent_config(tmp_path, web)
         assert config.load(toml, use_env=False).exporter.web_config_file == web
         (problem,) = config.check_file(toml)
-        assert problem.startswith("exporter.web_config_file: tls_server_config"), problem
+        assert problem.startswith(f"{toml}: exporter.web_config_file: tls_server_config"), problem
         assert expected in problem
         with pytest.raises(ListenError, match=expected):
             ExporterServer("127.0.0.1", 0, ExporterApp(CollectorRegistry(), lambda: []), web)

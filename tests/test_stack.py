@@ -17,7 +17,7 @@ from conftest import start_agent
 from sqlalchemy import text
 
 from agent.archive.database import open_engine
-from collectors.nvml import NvmlLibrary
+from collectors.nvml.library import NvmlLibrary
 from collectors.stack import StackSnapshot, capture, describe_diff, diff
 
 PROC = Path(__file__).parent / "fixtures" / "host" / "proc"
@@ -96,7 +96,7 @@ def test_nvml_facts_from_the_scenario(
     assert gpu0["pcie"] == {"generation_max": 5, "width_max": 16}  # current: telemetry only
     # Functions the fake driver lacks read as absent, never as a value.
     assert gpu0["ecc_enabled"] is None
-    assert gpu0["mig_enabled"] is None
+    assert gpu0["mig_enabled"] is False  # the fake answers nvmlDeviceGetMigMode: mig_mode 0
     assert gpu0["application_clock_hertz"] == {"sm": None, "memory": None}
     assert "GPU-0000" not in take(nvml=nvml).canonical_json()  # no per-machine identity
 

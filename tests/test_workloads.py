@@ -395,7 +395,8 @@ def test_list_describes_every_workload_for_the_device() -> None:
     assert matmul["fp8"]["supported"] is False
     assert matmul["fp16"]["supported"] is True  # slow on many CPUs: a finding, not unsupported
     assert workloads["h2d"]["applies"] is False
-    assert workloads["allreduce"]["applies"] is False
+    assert workloads["allreduce"]["applies"] is True  # CPU ranks over gloo, given --ranks
+    assert workloads["allreduce"]["precisions"]["bf16"]["supported"] is False
     assert workloads["inference"]["optimizations"].keys() == {"eager", "compiled"}
 
 

@@ -1,11 +1,15 @@
-"""All-reduce bus bandwidth across every visible GPU of the node (NCCL), as nccl-tests reports it.
+"""All-reduce bus bandwidth across the node's ranks, as nccl-tests reports it.
 
-GPU-only: nothing in this module runs on a CPU-only machine, where the workload is reported
-unsupported before any of it is reached. It follows the torch.distributed documentation:
+One rank per GPU over NCCL (every visible GPU: the agent makes them all visible for this
+node-wide workload), or, with ``--ranks N`` on a CPU, N ranks over gloo (tests run the agent's
+node-wide path this way; on a CPU-only node it measures the host's shared-memory path). It follows
+the torch.distributed documentation:
 
-- One process per GPU. This process is rank 0 on cuda:0 and the one that speaks the protocol;
-  ranks 1..n-1 are started with the multiprocessing "spawn" method (CUDA cannot be forked) and
-  print nothing. All join one NCCL process group through a TCP store on 127.0.0.1 at a free port.
+- One process per rank. This process is rank 0 (cuda:0 on GPUs) and the one that speaks the
+  protocol; ranks 1..n-1 are started with the multiprocessing "spawn" method (CUDA cannot be
+  forked) and print nothing. They are this process's children, so the agent counts them as its
+  own, never as foreign work. All join one process group through a TCP store on 127.0.0.1 at a
+  free port.
 - Every rank runs the same sequence per iteration: one tiny MAX all-reduce of a stop flag (rank 0
   sets it when its duration or iteration cap is reached, outside the timed window), then the
   timed all-reduce(s) of the payload. So all ranks do the same number of iterations and stop
@@ -13,8 +17,8 @@ unsupported before any of it is reached. It follows the torch.distributed docume
 - Work is counted in bus bytes, as nccl-tests defines them: algbw = bytes / time, and
   busbw = algbw * 2(n-1)/n, the per-link traffic of a ring all-reduce, comparable across node
   sizes. An iteration's work is bytes * 2(n-1)/n * repeats, so its throughput is the bus bandwidth.
-- Message: 1/8 of the free memory of cuda:0, at most 1 GiB (16 MiB with --size small), repeated
-  5 times per iteration.
+- Message: 1/8 of the free memory of cuda:0, at most 1 GiB (16 MiB with --size small; 64 MiB on a
+  CPU), repeated 5 times per iteration.
 """
 
 from __future__ import annotations
@@ -30,25 +34,28 @@ import torch.distributed as dist
 
 from workloads import precision as precisions
 from workloads.device import DeviceInfo
+from workloads.protocol import Unsupported
 from workloads.workload import Request, Spec, Step, Workload
 
 MAX_BYTES = 1 << 30
 SMALL_BYTES = 16 << 20
+CPU_BYTES = 64 << 20
 REPEATS = 5
 GROUP_TIMEOUT = timedelta(seconds=120)
 JOIN_SECONDS = 60.0
 
 
-class _Rank:  # GPU-only: not exercised on CPU
+class _Rank:
     """One rank's share: the process group, the payload, and the stop agreement."""
 
-    def __init__(
-        self, rank: int, world: int, port: int, precision: str, message_bytes: int
+    def __init__(  # noqa: PLR0917 - one rank's whole description
+        self, rank: int, world: int, port: int, precision: str, message_bytes: int, kind: str
     ) -> None:
-        self.device = torch.device("cuda", rank)
-        torch.cuda.set_device(self.device)
+        self.device = torch.device("cuda", rank) if kind == "cuda" else torch.device("cpu")
+        if kind == "cuda":  # GPU-only: not exercised on CPU
+            torch.cuda.set_device(self.device)
         dist.init_process_group(
-            backend="nccl",
+            backend=backend(kind),
             init_method=f"tcp://127.0.0.1:{port}",
             rank=rank,
             world_size=world,
@@ -73,12 +80,20 @@ class _Rank:  # GPU-only: not exercised on CPU
         dist.destroy_process_group()
 
 
-def _follow(rank: int, world: int, port: int, precision: str, message_bytes: int) -> None:
+def backend(kind: str) -> str:
+    """NCCL between GPUs (GPU-only: not exercised on CPU), gloo between CPU ranks."""
+    return "nccl" if kind == "cuda" else "gloo"
+
+
+def _follow(  # noqa: PLR0917 - the rank's description, passed through spawn
+    rank: int, world: int, port: int, precision: str, message_bytes: int, kind: str
+) -> None:
     """Ranks 1..n-1: do what rank 0 does, until rank 0 says stop."""
-    member = _Rank(rank, world, port, precision, message_bytes)  # GPU-only: not exercised on CPU
+    member = _Rank(rank, world, port, precision, message_bytes, kind)
     while not member.agree_stop(False):
         member.reduce()
-        torch.cuda.synchronize(member.device)
+        if kind == "cuda":  # GPU-only: not exercised on CPU
+            torch.cuda.synchronize(member.device)
     member.close()
 
 
@@ -99,14 +114,16 @@ class Allreduce(Workload):
         precisions=("fp32", "bf16"),
         optimizations=("eager",),
         default_duration=10.0,
-        devices=("cuda",),
+        devices=("cuda", "cpu"),
     )
 
     @classmethod
     def unsupported_reason(
         cls, device: DeviceInfo, precision: str, optimization: str
     ) -> str | None:
-        if device.kind != "cuda" or device.cuda_device_count < 2:
+        if device.kind == "cpu":  # ranks over gloo, given --ranks (checked when built)
+            return None if precision == "fp32" else "allreduce on CPU ranks is fp32 only"
+        if device.cuda_device_count < 2:
             return f"allreduce needs 2 or more CUDA devices ({device.cuda_device_count} visible)"
         if device.torch_device != "cuda:0":  # GPU-only: not exercised on CPU
             return "allreduce is node-wide and runs rank 0 on cuda:0: use --device cuda:0"
@@ -114,25 +131,32 @@ class Allreduce(Workload):
             return f"torch {torch.__version__} was built without NCCL"
         return super().unsupported_reason(device, precision, optimization)
 
-    def __init__(self, request: Request, device: DeviceInfo) -> None:  # GPU-only
+    def __init__(self, request: Request, device: DeviceInfo) -> None:
         super().__init__(request, device)
-        world = device.cuda_device_count
-        message = (
-            SMALL_BYTES
-            if request.size == "small"
-            else min((device.memory_free_bytes or 0) // 8, MAX_BYTES)
-        )
+        if device.kind == "cuda":  # GPU-only: not exercised on CPU
+            world = device.cuda_device_count
+            largest = min((device.memory_free_bytes or 0) // 8, MAX_BYTES)
+        elif request.ranks is None:
+            raise Unsupported(
+                "allreduce needs 2 or more CUDA devices (0 visible); on a CPU, --ranks N runs "
+                "N ranks over gloo"
+            )
+        else:
+            world, largest = request.ranks, CPU_BYTES
+        message = SMALL_BYTES if request.size == "small" else largest
         port = _free_port()
         spawn = multiprocessing.get_context("spawn")
         self.followers = [
             spawn.Process(
-                target=_follow, args=(rank, world, port, request.precision, message), daemon=True
+                target=_follow,
+                args=(rank, world, port, request.precision, message, device.kind),
+                daemon=True,
             )
             for rank in range(1, world)
         ]
         for follower in self.followers:
             follower.start()
-        self.rank = _Rank(0, world, port, request.precision, message)
+        self.rank = _Rank(0, world, port, request.precision, message, device.kind)
         self.work = self.rank.bytes * 2 * (world - 1) / world * REPEATS
         self.shapes = {"payload": list(self.rank.payload.shape)}
         self.parameters = {
@@ -140,18 +164,19 @@ class Allreduce(Workload):
             "bytes": self.rank.bytes,
             "repeats": REPEATS,
             "bus_factor": 2 * (world - 1) / world,
-            "backend": "nccl",
+            "backend": backend(device.kind),
+            "rank_pids": [follower.pid for follower in self.followers],
         }
-        self.kernel = "nccl"
+        self.kernel = backend(device.kind)
 
-    def steps(self) -> Generator[Step, None, None]:  # GPU-only: not exercised on CPU
+    def steps(self) -> Generator[Step, None, None]:
         while True:
             yield Step(work=self.work, run=self.rank.reduce)
 
-    def agree_stop(self, stop: bool) -> bool:  # GPU-only: not exercised on CPU
+    def agree_stop(self, stop: bool) -> bool:
         return self.rank.agree_stop(stop)
 
-    def close(self) -> None:  # GPU-only: not exercised on CPU
+    def close(self) -> None:
         self.rank.close()
         for follower in self.followers:
             follower.join(JOIN_SECONDS)

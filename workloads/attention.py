@@ -15,23 +15,25 @@ every timed call, which guarantees the record matches what ran:
 
 FLOPs per call: 4*B*H*S*S*D for the two batched matmuls of a non-causal forward pass (QK^T and
 PV, 2*S*S*D each per head); half of that with --causal, as is conventional (the masked half is
-skipped by the fused kernels). Softmax is not counted.
+skipped by the fused kernels). Softmax is not counted. Where the minimum of iterations would not
+fit the duration, the sequence is halved up to 5 times (workloads/calibration.py).
 """
 
 from __future__ import annotations
 
 from collections.abc import Generator
-from typing import ClassVar, Final
+from typing import Any, ClassVar, Final
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.functional import scaled_dot_product_attention
 
+from workloads import calibration
 from workloads import precision as precisions
 from workloads.device import DeviceInfo
 from workloads.workload import Request, Spec, Step, Workload
 
-BIG_GPU_BYTES = 40 << 30
+MIN_SEQ = 16
 BACKEND_NAMES: Final = {
     SDPBackend.FLASH_ATTENTION: "flash",
     SDPBackend.EFFICIENT_ATTENTION: "efficient",
@@ -49,7 +51,7 @@ CUDA_PREFERENCE: Final = (
 class Attention(Workload):
     spec: ClassVar[Spec] = Spec(
         name="attention",
-        version=1,
+        version=2,
         unit="FLOP/s",
         work_unit="flop",
         precisions=("bf16", "fp16", "fp32"),
@@ -57,18 +59,19 @@ class Attention(Workload):
         default_duration=10.0,
         devices=("cpu", "cuda"),
     )
+    max_shrink = 5  # the sequence: 1024 -> 32 on a CPU
 
     def __init__(self, request: Request, device: DeviceInfo) -> None:
         super().__init__(request, device)
-        batch, heads, seq, head_dim, repeats = self._sizes()
-        dtype = precisions.dtype(request.precision)
+        (batch, heads, seq, head_dim, repeats), sizing = self._sizes()
+        seq = max(MIN_SEQ, seq >> request.shrink)
         generator = torch.Generator(device=self.torch_device).manual_seed(0)
         self.q, self.k, self.v = (
-            torch.randn(
+            precisions.random_operand(
+                request.precision,
                 (batch, heads, seq, head_dim),
-                generator=generator,
                 device=self.torch_device,
-                dtype=dtype,
+                generator=generator,
             )
             for _ in range(3)
         )
@@ -87,15 +90,19 @@ class Attention(Workload):
             "head_dim": head_dim,
             "causal": self.causal,
             "repeats": repeats,
+            **sizing,
         }
 
-    def _sizes(self) -> tuple[int, int, int, int, int]:
+    def _sizes(self) -> tuple[tuple[int, int, int, int, int], dict[str, Any]]:
+        """Batch, heads, sequence, head dimension and repeats; and what decided them, for the
+        manifest's parameters."""
         if self.request.size == "small":
-            return 1, 4, 256, 64, 1
-        if self.device.kind == "cuda":  # GPU-only: not exercised on CPU
-            total = self.device.memory_total_bytes or 0
-            return 4, 16, 4096 if total >= BIG_GPU_BYTES else 2048, 128, 10
-        return 4, 8, 1024, 64, 1
+            return (1, 4, 256, 64, 1), {}
+        if self.device.kind == "cuda":
+            memory = calibration.memory_class(self.device)
+            seq = 4096 if memory.name == "large" else 2048
+            return (4, 16, seq, 128, 10), memory.parameters
+        return (4, 8, 1024, 64, 1), {}
 
     def _attend(self) -> None:
         scaled_dot_product_attention(self.q, self.k, self.v, is_causal=self.causal)

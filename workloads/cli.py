@@ -16,8 +16,9 @@ from typing import Any, NoReturn
 
 import torch
 
+from workloads import affinity, facts, runner
 from workloads import device as devices
-from workloads import facts, runner
+from workloads import precision as precisions
 from workloads.device import DeviceInfo
 from workloads.protocol import Emitter
 from workloads.registry import WORKLOADS
@@ -48,6 +49,13 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _cpus(text: str) -> frozenset[int]:
+    try:
+        return affinity.parse(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _positive_int(text: str) -> int:
     if not text.isdigit() or int(text) < 1:
         raise argparse.ArgumentTypeError(f"must be a positive integer, not {text!r}")
@@ -65,8 +73,23 @@ def _parser() -> _Parser:
     run.add_argument("--duration", type=_positive_float, help="seconds; default per workload")
     run.add_argument("--device", required=True, type=_device, help="cpu, cuda or cuda:N")
     run.add_argument("--max-iterations", type=_positive_int)
+    run.add_argument(
+        "--min-iterations",
+        type=_positive_int,
+        help="size the problem so that this many iterations fit the duration (default: as is)",
+    )
     run.add_argument("--size", default="default", choices=["small", "default"])
     run.add_argument("--threads", type=_positive_int, help="torch threads (default: torch's)")
+    run.add_argument(
+        "--ranks",
+        type=_positive_int,
+        help="allreduce on a CPU: this many ranks over gloo (on GPUs: one per visible GPU)",
+    )
+    run.add_argument(
+        "--cpus",
+        type=_cpus,
+        help="bind to these CPUs first (comma-separated numbers: the GPU's nearest)",
+    )
     run.add_argument("--flush-cache", action="store_true", help="matmul: cold caches")
     run.add_argument("--causal", action="store_true", help="attention: causal mask")
 
@@ -93,6 +116,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         device, reason = runner.device_or_reason(args.device)
         emitter.emit(facts.facts(device, reason))
     else:
+        # First, before any buffer is allocated: pinned memory lands on the bound CPUs' node.
+        binding = None if args.cpus is None else affinity.bind(args.cpus)
         if args.threads is not None:
             torch.set_num_threads(args.threads)
         request = Request(
@@ -101,6 +126,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             size=args.size,
             flush_cache=args.flush_cache,
             causal=args.causal,
+            ranks=args.ranks,
         )
         duration = args.duration or workload.spec.default_duration
         runner.run(
@@ -110,6 +136,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             duration=duration,
             max_iterations=args.max_iterations,
             emitter=emitter,
+            min_iterations=args.min_iterations,
+            cpu_binding=binding,
         )
     return 0
 
@@ -128,6 +156,10 @@ def _check_run_arguments(
         parser.error("--flush-cache applies to matmul only")
     if args.causal and spec.name != "attention":
         parser.error("--causal applies to attention only")
+    if args.ranks is not None and spec.name != "allreduce":
+        parser.error("--ranks applies to allreduce only")
+    if args.ranks == 1:
+        parser.error("--ranks must be 2 or more (an all-reduce needs a peer)")
 
 
 def describe_workloads(device_spec: str) -> dict[str, Any]:
@@ -135,10 +167,18 @@ def describe_workloads(device_spec: str) -> dict[str, Any]:
     return {
         "device": device_spec if device is None else device.torch_device,
         "device_unavailable": device_reason,
+        "precisions": {} if device is None else native_precisions(device),
         "workloads": {
             name: _describe(workload, device, device_reason) for name, workload in WORKLOADS.items()
         },
     }
+
+
+def native_precisions(device: DeviceInfo) -> dict[str, dict[str, Any]]:
+    """Whether the device runs each precision natively, and why not: the agent leaves the
+    others out of its default plan."""
+    reasons = {p: precisions.native_reason(p, device) for p in precisions.PRECISIONS}
+    return {p: {"native": why is None, "reason": why} for p, why in reasons.items()}
 
 
 def _describe(

@@ -121,6 +121,20 @@ def _meminfo_bytes(field: str) -> int | None:
     return None
 
 
+def cpu_flags(cpuinfo: Path = CPUINFO) -> frozenset[str]:
+    """The instruction-set flags of the first CPU: x86's `flags`, aarch64's `Features`; empty
+    where /proc/cpuinfo cannot be read or names none."""
+    try:
+        lines = cpuinfo.read_text().splitlines()
+    except OSError:
+        return frozenset()
+    for line in lines:
+        name, _, value = line.partition(":")
+        if name.strip() in ("flags", "Features"):
+            return frozenset(value.split())
+    return frozenset()
+
+
 def cpu_model() -> str:
     try:
         lines = CPUINFO.read_text().splitlines()

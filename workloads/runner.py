@@ -2,7 +2,9 @@
 
 Every iteration is emitted, warm-up included: deciding what is warm-up is the analysis's job, and
 a series with its first seconds cut off cannot show a warm-up or a slowdown. The stop condition
-is checked between iterations only, so a run ends at most one iteration after its duration.
+is checked between iterations only, so a run ends at most one iteration after its duration; the
+agent kills a child still running at its duration plus a grace, so the problem is sized before
+the manifest to fit the analysis's minimum of iterations (workloads/calibration.py).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import torch
 
 from workloads import facts
 from workloads import precision as precisions
+from workloads.calibration import calibrate
 from workloads.device import DeviceInfo, probe
 from workloads.protocol import Emitter, Unsupported
 from workloads.timer import Timer, for_device
@@ -32,8 +35,11 @@ def run(
     duration: float,
     max_iterations: int | None,
     emitter: Emitter,
+    min_iterations: int | None = None,
+    cpu_binding: dict[str, Any] | None = None,
 ) -> None:
-    """Run one probe to completion; an Unsupported outcome is a line on stdout, not an error."""
+    """Run one probe to completion; an Unsupported outcome is a line on stdout, not an error.
+    ``cpu_binding`` (workloads.affinity.bind) goes into the manifest as it is."""
     try:
         device = probe(device_spec)
         reason = workload_class.unsupported_reason(device, request.precision, request.optimization)
@@ -43,12 +49,31 @@ def run(
             # CUDA events are recorded on the current device's stream: make it this device.
             torch.cuda.set_device(device.torch_device)
         precisions.configure(request.precision)
-        workload = workload_class(request, device)
+        timer = for_device(torch.device(device.torch_device))
+        calibrated = calibrate(
+            workload_class,
+            request,
+            device,
+            timer,
+            duration=duration,
+            min_iterations=min_iterations,
+        )
     except Unsupported as exc:
         emitter.emit(_unsupported(workload_class, request, device_spec, exc))
         return
-    timer = for_device(workload.torch_device)
-    emitter.emit(manifest(workload, timer, duration, max_iterations))
+    workload = calibrated.workload
+    line = manifest(workload, timer, duration, max_iterations)
+    native_reason = precisions.native_reason(request.precision, device)
+    line.update(
+        min_iterations=min_iterations,
+        fit=calibrated.fit,
+        native=native_reason is None,
+        native_reason=native_reason,
+        reference=calibrated.reference,
+        slow_path=calibrated.slow_path,
+        cpu_binding=cpu_binding,
+    )
+    emitter.emit(line)
 
     def on_record(index: int, record: Record) -> None:
         line: dict[str, Any] = {
@@ -106,7 +131,7 @@ def manifest(
         "work_unit": spec.work_unit,
         "precision": workload.request.precision,
         "optimization": workload.request.optimization,
-        "size": workload.request.size,
+        "size": workload.request.size_label,
         "device": workload.device.torch_device,
         "device_name": workload.device.name,
         "timer": timer.name,

@@ -11,11 +11,16 @@ own precise readings relative to it:
   microseconds.
 - ``cuda_event`` (GPU): at construction the device is synchronised, an anchor event is recorded
   and waited for, and the wall time is read right after it completes. Each iteration is bracketed
-  by a start and an end event on the current stream, and its times are
-  ``anchor_wall + anchor.elapsed_time(event) / 1000``. Durations are therefore the device's own
-  execution times, free of launch latency; the common offset error is the synchronise latency
-  (microseconds). Waiting for the end event each iteration is what lets the child report
-  iterations as they finish.
+  by a start and an end event on the current stream. ``elapsed_time`` is a float32 of
+  milliseconds (torch.cuda.Event.elapsed_time; cudaEventElapsedTime), whose step grows with the
+  interval: 2 us 20 s into a run, 0.25 ms an hour in. So a duration is never a difference of two
+  readings against the anchor: the start is ``anchor_wall + anchor.elapsed_time(start) / 1000``
+  (only its offset loses precision, at most half a step) and the end is the start plus
+  ``start.elapsed_time(end) / 1000``, the device's own execution time, exact to the event
+  resolution (about 0.5 us) however long the run. A start that the rounding puts before the
+  previous end is moved to that end, so times stay monotonic. The common offset error is the
+  synchronise latency (microseconds). Waiting for the end event each iteration is what lets the
+  child report iterations as they finish.
 """
 
 from __future__ import annotations
@@ -53,7 +58,10 @@ class PerfCounterTimer(Timer):
         return self._wall0 + (start - self._perf0), self._wall0 + (end - self._perf0)
 
 
-class CudaEventTimer(Timer):  # GPU-only: not exercised on CPU
+class CudaEventTimer(Timer):
+    # Only a real GPU runs this class (tests/test_workload_defects.py stands in for the events); it
+    # follows the PyTorch docs of torch.cuda.Event: record(), synchronize(), and elapsed_time(),
+    # which needs enable_timing=True on both events.
     name = "cuda_event"
 
     def __init__(self, device: torch.device) -> None:
@@ -63,6 +71,7 @@ class CudaEventTimer(Timer):  # GPU-only: not exercised on CPU
         self._anchor.synchronize()
         super().__init__()
         self._anchor_wall = self._wall0
+        self._last_end = self._wall0
 
     def measure(self, work: Callable[[], None]) -> tuple[float, float]:
         start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
@@ -71,8 +80,11 @@ class CudaEventTimer(Timer):  # GPU-only: not exercised on CPU
         work()
         end.record()
         end.synchronize()
-        started = self._anchor_wall + self._anchor.elapsed_time(start) / 1e3
-        return started, self._anchor_wall + self._anchor.elapsed_time(end) / 1e3
+        # The offset from the anchor, the duration from this iteration's own pair of events.
+        offset = self._anchor.elapsed_time(start) / 1e3
+        started = max(self._anchor_wall + offset, self._last_end)
+        self._last_end = started + start.elapsed_time(end) / 1e3
+        return started, self._last_end
 
 
 def for_device(device: torch.device) -> Timer:

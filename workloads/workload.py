@@ -42,6 +42,18 @@ class Request:
     size: Size
     flush_cache: bool = False
     causal: bool = False
+    ranks: int | None = None
+    """allreduce on a CPU: how many ranks (processes) to run; on GPUs one per visible GPU."""
+    shrink: int = 0
+    """How many times the problem's leading dimensions are halved so that the minimum of
+    iterations fits the duration (workloads/calibration.py); 0: the size as chosen."""
+
+    @property
+    def size_label(self) -> str:
+        """The size as the manifest records it: "default", "small", or "default/4" for the
+        default problem with its leading dimensions divided by 4 (results of different sizes are
+        not comparable)."""
+        return self.size if self.shrink == 0 else f"{self.size}/{1 << self.shrink}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +75,9 @@ class Record:
 
 class Workload(ABC):
     spec: ClassVar[Spec]
+    max_shrink: ClassVar[int] = 0
+    """How often ``Request.shrink`` may halve the problem; 0 where the size is what is measured
+    (membw: arrays far beyond the caches) or an iteration is short by design (inference)."""
 
     def __init__(self, request: Request, device: DeviceInfo) -> None:
         self.request = request

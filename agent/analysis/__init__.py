@@ -8,11 +8,11 @@ from agent.analysis.figures import latency_percentiles
 from agent.analysis.result import Classification, SteadyStateResult
 from agent.analysis.steady import (
     DEFAULT_TOLERANCE,
-    MIN_ITERATIONS,
     InvalidSeriesError,
     analyze,
     analyze_durations,
 )
+from agent.verdict import MIN_ITERATIONS
 
 __all__ = [
     "DEFAULT_TOLERANCE",

@@ -6,9 +6,11 @@ finished run's iterations to this short-lived child as JSON on standard input::
     {"iterations": [[start, end, work, phase], ...], "tolerance": 0.02}
 
 and reads one JSON object back: the analysis of the throughput series (work per second of each
-iteration), with ``"phase"`` naming the phase analysed. A run with phases (inference: prefill and
-decode; membw: copy and triad) is analysed on its most frequent phase, whose iterations are
-like one another. Bad input: one line on standard error, exit 2.
+iteration), with ``"phase"`` naming the phase analysed and ``p10_throughput``/``p50_throughput``
+the percentiles of that phase's throughput over one-second windows (``None`` below three). A run
+with phases (inference: prefill and decode; membw: copy and triad) is analysed on its most
+frequent phase, whose iterations are like one another. Bad input: one line on standard error,
+exit 2.
 """
 
 from __future__ import annotations
@@ -18,7 +20,10 @@ import sys
 from collections import Counter
 from typing import Any
 
+import numpy as np
+
 from agent.analysis import InvalidSeriesError, analyze
+from agent.analysis.figures import WINDOW_SECONDS, windowed_percentiles
 
 
 def analyze_iterations(iterations: list[list[Any]], tolerance: float) -> dict[str, Any]:
@@ -36,6 +41,11 @@ def analyze_iterations(iterations: list[list[Any]], tolerance: float) -> dict[st
     result["steady_start_index"] = None if start is None else positions[start]
     result["changepoints"] = [positions[i] for i in analysis.changepoints if i < len(positions)]
     result["phase"] = phase
+    columns = np.array([[float(value) for value in row[:3]] for row in chosen]).reshape(-1, 3)
+    windowed = windowed_percentiles(columns[:, 0], columns[:, 1], columns[:, 2])
+    result["p10_throughput"] = None if windowed is None else windowed[0]
+    result["p50_throughput"] = None if windowed is None else windowed[1]
+    result["window_seconds"] = WINDOW_SECONDS
     return result
 
 

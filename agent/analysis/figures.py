@@ -1,7 +1,9 @@
-"""Peak, steady value with its confidence interval, and latency percentiles.
+"""Peak, steady value with its confidence interval, windowed percentiles, latency percentiles.
 
 Peak is the best short window rather than the best single iteration, so that one lucky
-iteration does not set the reference the sustained ratio is measured against.
+iteration does not set the reference the sustained ratio is measured against. The windowed
+percentiles exist for the run that never settles: it has no steady value, yet its p10 over
+one-second windows still tells a planner what it delivered at worst.
 """
 
 from __future__ import annotations
@@ -49,6 +51,46 @@ def bootstrap_mean_ci(
     tail = (1.0 - CONFIDENCE) / 2.0 * 100.0
     low, high = np.percentile(means, [tail, 100.0 - tail])
     return float(low), float(high)
+
+
+WINDOW_SECONDS = 1.0
+MIN_WINDOWS = 3
+
+
+def windowed_percentiles(
+    starts: NDArray[np.float64],
+    ends: NDArray[np.float64],
+    work: NDArray[np.float64],
+    window: float = WINDOW_SECONDS,
+) -> tuple[float, float] | None:
+    """p10 and p50 of the throughput in consecutive windows of ``window`` seconds.
+
+    Each window's throughput is the work done inside it over the time iterations were running
+    inside it: an iteration that spans a boundary counts in both windows in proportion, and a gap
+    between iterations (another phase, the timer's own work) is not charged as idle. Only windows
+    whole within the run count, and ``None`` when fewer than ``MIN_WINDOWS`` are.
+    """
+    if starts.size == 0:
+        return None
+    origin = float(starts.min())
+    count = int((float(ends.max()) - origin) // window)
+    if count < MIN_WINDOWS:
+        return None
+    done = np.zeros(count)
+    busy = np.zeros(count)
+    rate = work / (ends - starts)
+    edges = origin + window * np.arange(count + 1)
+    for index in range(count):
+        overlap = np.clip(
+            np.minimum(ends, edges[index + 1]) - np.maximum(starts, edges[index]), 0.0, None
+        )
+        done[index] = float(np.sum(overlap * rate))
+        busy[index] = float(np.sum(overlap))
+    values = done[busy > 0] / busy[busy > 0]
+    if values.size < MIN_WINDOWS:
+        return None
+    p10, p50 = np.percentile(values, [10.0, 50.0])
+    return float(p10), float(p50)
 
 
 def latency_percentiles(durations: NDArray[np.float64]) -> tuple[float, float, float]:

@@ -1,8 +1,11 @@
-"""A user's series file for `sustain analyze`: CSV with a header, a JSON array, or JSON lines.
+"""A user's series file for `sustain analyze`: CSV, a JSON array, or JSON lines.
 
-Every problem becomes a `SeriesInputError` whose message is one line naming the file and the
-line (or array element) at fault, so the CLI can print it as is and exit 2. What a message quotes
-from the file is escaped (no line breaks) and cut short.
+A CSV file may have a header line or not: when its first line is all numbers it is data, and its
+columns go by number (1, 2, ...). Every problem becomes a `SeriesInputError` whose message is one
+line naming the file (or "stdin") and the line (or array element) at fault, so the CLI can print
+it as is and exit 2. What a message quotes from the file is escaped (no line breaks) and cut
+short. Input that is no series at all (nothing, one JSON object, text) is named as such rather
+than analysed as a series of one.
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+import sys
 from pathlib import Path
 from typing import Literal
 
@@ -35,13 +39,19 @@ class SeriesInputError(ValueError):
 
 
 def read_series(
-    path: Path, column: str | None = None, kind: Kind = "duration"
+    path: Path | None, column: str | None = None, kind: Kind = "duration"
 ) -> NDArray[np.float64]:
-    """The values of `column` (or of the only numeric column) in file order."""
-    name = _text(str(path), limit=None)
+    """The values of `column` (or of the only column) in file order; `path` None reads
+    standard input (the command line's "-")."""
+    name = "stdin" if path is None else _text(str(path), limit=None)
+    if path is None and sys.stdin is None:  # started with its standard input closed
+        raise SeriesInputError(f"{name}: closed")
     try:
-        with path.open("rb") as handle:
-            data = handle.read(MAX_FILE_BYTES + 1)
+        if path is None:
+            data = sys.stdin.buffer.read(MAX_FILE_BYTES + 1)
+        else:
+            with path.open("rb") as handle:
+                data = handle.read(MAX_FILE_BYTES + 1)
     except FileNotFoundError:
         raise SeriesInputError(f"{name}: no such file") from None
     except OSError as e:
@@ -55,6 +65,8 @@ def read_series(
             f"{name}: not UTF-8 text (byte {data[e.start]:#04x} at offset {e.start})"
         ) from None
     stripped = text.lstrip()
+    if not stripped:
+        raise SeriesInputError(f"{name}: empty: no series to analyze")
     if stripped.startswith("["):
         pairs = _json_array(name, stripped, column)
     elif stripped.startswith("{"):
@@ -68,7 +80,7 @@ def read_series(
 
 
 def analyze_file(
-    path: Path,
+    path: Path | None,
     column: str | None = None,
     kind: Kind = "duration",
     tolerance: float = DEFAULT_TOLERANCE,
@@ -146,6 +158,11 @@ def _json_array(name: str, text: str, column: str | None) -> list[tuple[str, obj
 
 
 def _json_lines(name: str, text: str, column: str | None) -> list[tuple[str, object]]:
+    if _one_json_value(text):
+        raise SeriesInputError(
+            f"{name}: one JSON object, not a series (a series is a JSON array, JSON lines with "
+            "one object per line, or CSV)"
+        )
     pairs: list[tuple[str, object]] = []
     # Lines end at "\n" alone: a JSON string may hold the other breaks that splitlines() knows.
     for number, line in enumerate(text.split("\n"), start=1):
@@ -160,17 +177,29 @@ def _json_lines(name: str, text: str, column: str | None) -> list[tuple[str, obj
     return pairs
 
 
+def _one_json_value(text: str) -> bool:
+    """Whether the whole text is a single JSON value, as opposed to JSON lines."""
+    try:
+        _parse_json(text)
+    except json.JSONDecodeError:
+        return False  # several values (JSON lines), or a mistake the line-by-line reading names
+    return True
+
+
 def _csv(name: str, text: str, column: str | None) -> list[tuple[str, object]]:
     rows = csv.reader(text.splitlines())
     try:
-        header = next(rows, None)
-        while header is not None and not any(cell.strip() for cell in header):
-            header = next(rows, None)  # blank lines before the header
-        if header is None:
+        first = next(rows, None)
+        while first is not None and not any(cell.strip() for cell in first):
+            first = next(rows, None)  # blank lines before the first row
+        if first is None:
             return []
-        names = [cell.strip() for cell in header]
-        index = _column_index(name, f"line {rows.line_num}", names, column)
-        pairs: list[tuple[str, object]] = []
+        cells = [cell.strip() for cell in first]
+        where = f"line {rows.line_num}"
+        headed = not all(_is_number(cell) for cell in cells if cell)
+        names = cells if headed else [str(number) for number in range(1, len(cells) + 1)]
+        index = _column_index(name, where, names, column, headed)
+        pairs: list[tuple[str, object]] = [] if headed else [(where, cells[index])]
         for row in rows:
             if not any(cell.strip() for cell in row):
                 continue
@@ -182,20 +211,30 @@ def _csv(name: str, text: str, column: str | None) -> list[tuple[str, object]]:
             pairs.append((where, row[index].strip()))
     except csv.Error as e:  # a field longer than the csv module's limit
         raise SeriesInputError(f"{name}: line {rows.line_num}: not valid CSV: {e}") from None
+    if headed and not pairs:
+        header = _shown(", ".join(cells))
+        raise SeriesInputError(f"{name}: no values: only a header line ({header})")
     return pairs
 
 
-def _column_index(name: str, where: str, names: list[str], column: str | None) -> int:
+def _is_number(cell: str) -> bool:
+    try:
+        float(cell)
+    except ValueError:
+        return False
+    return True
+
+
+def _column_index(name: str, where: str, names: list[str], column: str | None, headed: bool) -> int:
+    have = _names(names) if headed else f"{_names(names)}: no header line, columns go by number"
     if column is None:
         if len(names) != 1:
             raise SeriesInputError(
-                f"{name}: {where}: several columns ({_names(names)}); choose one with --column"
+                f"{name}: {where}: several columns ({have}); choose one with --column"
             )
         return 0
     if column not in names:
-        raise SeriesInputError(
-            f"{name}: {where}: no column {_shown(column)} (have {_names(names)})"
-        )
+        raise SeriesInputError(f"{name}: {where}: no column {_shown(column)} (have {have})")
     return names.index(column)
 
 

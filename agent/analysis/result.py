@@ -28,6 +28,8 @@ class SteadyStateResult:
     `steady_start_index` and `changepoints` are indices into the original series (outliers
     included), so they can be laid over the raw iterations. `warmup_seconds` is the time from the
     start of the run to the start of the steady regime, known only when end times were given.
+    `warmup_throughput` is the mean throughput before the steady regime (outliers left out, as
+    for the steady value), given only for the `warmup` class.
     """
 
     classification: Classification
@@ -46,6 +48,7 @@ class SteadyStateResult:
     latency_p50_seconds: float | None = None
     latency_p90_seconds: float | None = None
     latency_p99_seconds: float | None = None
+    warmup_throughput: float | None = None
 
     @property
     def has_steady_state(self) -> bool:
@@ -66,6 +69,7 @@ class SteadyStateResult:
             "sustained_ratio": self.sustained_ratio,
             "changepoints": list(self.changepoints),
             "warmup_seconds": self.warmup_seconds,
+            "warmup_throughput": self.warmup_throughput,
             "mser5_index": self.mser5_index,
             "outliers": self.outliers,
             "tolerance": self.tolerance,

@@ -32,9 +32,9 @@ from agent.analysis.figures import bootstrap_mean_ci, latency_percentiles, peak
 from agent.analysis.mser import mser5
 from agent.analysis.outliers import inlier_mask
 from agent.analysis.result import Classification, SteadyStateResult
+from agent.verdict import MIN_ITERATIONS
 
 DEFAULT_TOLERANCE = 0.02
-MIN_ITERATIONS = 30
 MIN_STEADY_FRACTION = 0.25
 MIN_SEGMENT = 5
 PENALTY_PER_LOG_N = 15.0
@@ -159,6 +159,11 @@ def analyze(
         steady_ci=ci,
         sustained_ratio=steady_mean / peak_value,
         warmup_seconds=_seconds_before(ends, steady_start),
+        warmup_throughput=(
+            float(np.mean(xf[: bounds[first_steady]]))
+            if classification is Classification.WARMUP
+            else None
+        ),
     )
 
 

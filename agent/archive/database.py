@@ -2,14 +2,21 @@
 
 ``open_engine`` connects once before returning, so that a bad path, a read-only file or an
 unreachable server is reported when the agent starts, as one line that names the database (with
-its password hidden) and the reason, not as a traceback at the first write minutes later.
+its password hidden) and the reason, not as a traceback at the first write minutes later. It is
+for the writers (the daemon, ``sustain db upgrade``, ``sustain probe --record``) and creates a
+missing SQLite file and its directory. ``open_archive`` is for the commands that only read: it
+creates nothing, writes nothing, and tells a missing or never-migrated archive apart from a
+broken one. Every URL and driver message on their way out go through
+``agent.config.database_url`` (``describe``, ``archive_error``), which hides the secrets.
 """
 
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import re
+import sqlite3
 from pathlib import Path
 from typing import Any
 from urllib.parse import unquote
@@ -20,8 +27,12 @@ from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from alembic.util import CommandError
 from sqlalchemy import Connection, Engine, create_engine, event
-from sqlalchemy.engine import URL, make_url
+from sqlalchemy.engine import URL
 from sqlalchemy.exc import ArgumentError, NoSuchModuleError, SQLAlchemyError
+
+from agent.config import database_url
+
+log = logging.getLogger(__name__)
 
 MIGRATIONS = Path(__file__).parent / "migrations"
 SUPPORTED_BACKENDS = ("sqlite", "postgresql")
@@ -39,14 +50,13 @@ class ArchiveError(Exception):
 
 
 def _reason(exc: BaseException, url: URL) -> str:
-    """The first line of the driver's own message, without psycopg's preamble or the password."""
+    """The first line of the driver's own message, without psycopg's preamble or the secrets."""
     original = getattr(exc, "orig", None) or exc
     lines = str(original).strip().splitlines()
     reason = _NOISE.sub("", lines[0]).strip() if lines else ""
     if not reason:
         reason = type(original).__name__
-    if url.password:
-        reason = reason.replace(str(url.password), "***")
+    reason = database_url.scrub(reason, url)
     if reason[:1].isupper() and reason[1:2].islower():
         reason = reason[0].lower() + reason[1:]
     return reason
@@ -55,8 +65,8 @@ def _reason(exc: BaseException, url: URL) -> str:
 def describe(engine_or_url: Engine | URL) -> str:
     """The database's URL as it may appear in a log line or an error message."""
     url = engine_or_url.url if isinstance(engine_or_url, Engine) else engine_or_url
-    shown = url.render_as_string(hide_password=True)
-    # A SQLite URL holds no password, and its path reads better unescaped (file: URIs).
+    shown = database_url.redact(url)
+    # A SQLite path reads better unescaped (file: URIs).
     return unquote(shown) if url.get_backend_name() == "sqlite" else shown
 
 
@@ -89,6 +99,16 @@ def _on_sqlite_connect(dbapi_connection: Any, _record: Any) -> None:
         cursor.close()
 
 
+def _on_sqlite_read_connect(dbapi_connection: Any, _record: Any) -> None:
+    # A reader waits for the agent's writes like a writer does, and cannot write by mistake.
+    cursor = dbapi_connection.cursor()
+    try:
+        cursor.execute(f"PRAGMA busy_timeout = {SQLITE_BUSY_TIMEOUT_MS}")
+        cursor.execute("PRAGMA query_only = ON")
+    finally:
+        cursor.close()
+
+
 def _on_sqlite_begin(connection: Connection) -> None:
     # sqlite3's own legacy transaction control skips BEGIN before DDL and SELECT, which would let
     # a migration half-apply; SQLAlchemy's documented remedy is to emit BEGIN ourselves. IMMEDIATE
@@ -107,38 +127,64 @@ def _check_sqlite_writable(connection: Connection) -> None:
     connection.rollback()
 
 
-def open_engine(url: str) -> Engine:
-    """An engine on the archive database, known to be reachable (and writable, for SQLite)."""
+def _parse(url: str) -> URL:
     try:
-        parsed = make_url(url)
-    except ArgumentError:
-        raise ArchiveError("malformed database URL (expected dialect[+driver]://...)") from None
-    backend = parsed.get_backend_name()
-    if backend not in SUPPORTED_BACKENDS:
+        parsed = database_url.parse(url)
+    except database_url.DatabaseUrlError as exc:
+        raise ArchiveError(str(exc)) from None
+    if parsed.get_backend_name() not in SUPPORTED_BACKENDS:
         raise ArchiveError(
             f"unsupported database {describe(parsed)}: the archive runs on sqlite or postgresql"
         )
+    return parsed
+
+
+def _create_engine(parsed: URL, **options: Any) -> Engine:
+    try:
+        return create_engine(parsed, **options)
+    except ImportError as exc:  # the DBAPI module is imported here
+        driver = parsed.get_driver_name()
+        install = " (install sustain[postgres])" if driver == "psycopg" else ""
+        raise ArchiveError(
+            f"cannot use database {describe(parsed)}: its driver {driver} is not installed{install}"
+        ) from exc
+    except (ArgumentError, NoSuchModuleError) as exc:
+        raise archive_error("use database", parsed, exc) from exc
+
+
+def _postgresql_engine(parsed: URL) -> Engine:
+    # A server that drops packets must fail start-up in seconds, not hang it.
+    return _create_engine(
+        parsed, pool_pre_ping=True, connect_args={"connect_timeout": CONNECT_TIMEOUT_S}
+    )
+
+
+def _create_directory(directory: Path) -> None:
+    if directory.is_dir():
+        return
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        # mkdir reports a file in the way as "File exists", which reads as if all were well.
+        in_the_way = isinstance(exc, FileExistsError)
+        reason = os.strerror(errno.ENOTDIR) if in_the_way else exc.strerror
+        raise ArchiveError(f"cannot create directory {directory}: {reason}") from exc
+    log.info("created directory %s for the archive", directory)
+
+
+def open_engine(url: str) -> Engine:
+    """An engine on the archive database, known to be reachable (and writable, for SQLite)."""
+    parsed = _parse(url)
+    backend = parsed.get_backend_name()
     path = _sqlite_file(parsed) if backend == "sqlite" else None
     if path is not None:
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            # mkdir reports a file in the way as "File exists", which reads as if all were well.
-            in_the_way = isinstance(exc, FileExistsError)
-            reason = os.strerror(errno.ENOTDIR) if in_the_way else exc.strerror
-            raise ArchiveError(f"cannot create directory {path.parent}: {reason}") from exc
-    try:
-        if backend == "sqlite":
-            engine = create_engine(parsed)
-            event.listen(engine, "connect", _on_sqlite_connect)
-            event.listen(engine, "begin", _on_sqlite_begin)
-        else:
-            # A server that drops packets must fail start-up in seconds, not hang it.
-            engine = create_engine(
-                parsed, pool_pre_ping=True, connect_args={"connect_timeout": CONNECT_TIMEOUT_S}
-            )
-    except (ArgumentError, NoSuchModuleError, ImportError) as exc:
-        raise archive_error("use database", parsed, exc) from exc
+        _create_directory(path.parent)
+    if backend == "sqlite":
+        engine = _create_engine(parsed)
+        event.listen(engine, "connect", _on_sqlite_connect)
+        event.listen(engine, "begin", _on_sqlite_begin)
+    else:
+        engine = _postgresql_engine(parsed)
     try:
         with engine.connect() as connection:
             if backend == "sqlite":
@@ -147,6 +193,53 @@ def open_engine(url: str) -> Engine:
         engine.dispose()
         action = "open database" if backend == "sqlite" else "connect to database"
         raise archive_error(action, parsed, exc) from exc
+    return engine
+
+
+def _no_archive(url: URL) -> ArchiveError:
+    return ArchiveError(f"no sustain archive here: run `sustain db upgrade` ({describe(url)})")
+
+
+def _sqlite_reader(parsed: URL, path: Path) -> Engine:
+    """An engine that can neither create ``path`` (``mode=rw``) nor write to it (query_only)."""
+    if not path.is_file():
+        raise _no_archive(parsed)
+    # mode=rw rather than mode=ro: a read-only connection cannot remove the -wal and -shm files
+    # it opens beside a WAL database, whereas the last read-write one to close does. SQLite opens
+    # a write-protected file read-only all the same.
+    uri = f"{path.absolute().as_uri()}?mode=rw"
+    engine = _create_engine(
+        parsed, creator=lambda: sqlite3.connect(uri, uri=True, check_same_thread=False)
+    )
+    event.listen(engine, "connect", _on_sqlite_read_connect)
+    return engine
+
+
+def open_archive(url: str) -> Engine:
+    """An engine on an existing archive, for reading; an ArchiveError where there is none.
+
+    Nothing is created or written: a missing SQLite file stays missing and the file of a
+    never-migrated one is left as it was.
+    """
+    parsed = _parse(url)
+    path = _sqlite_file(parsed) if parsed.get_backend_name() == "sqlite" else None
+    if path is not None:
+        engine = _sqlite_reader(parsed, path)
+    elif parsed.get_backend_name() == "sqlite":
+        engine = _create_engine(parsed)  # in memory, or a file: URI that says how to open it
+    else:
+        engine = _postgresql_engine(parsed)
+    try:
+        with engine.connect() as connection:
+            revision = MigrationContext.configure(connection).get_current_revision()
+    except SQLAlchemyError as exc:
+        engine.dispose()
+        sqlite = parsed.get_backend_name() == "sqlite"
+        action = "open database" if sqlite else "connect to database"
+        raise archive_error(action, parsed, exc) from exc
+    if revision is None:
+        engine.dispose()
+        raise _no_archive(parsed)
     return engine
 
 
@@ -161,10 +254,36 @@ def _alembic_config(connection: Connection | None = None) -> Config:
 
 
 def upgrade(engine: Engine, revision: str = "head") -> None:
-    """Apply the pending migrations in one transaction (per database; see migrations/env.py)."""
+    """Apply the pending migrations in one transaction (per database; see migrations/env.py).
+
+    Never a downgrade: a ``revision`` older than the database's is an ArchiveError, where
+    Alembic would do nothing and the caller would report success.
+    """
+    script = ScriptDirectory.from_config(_alembic_config())
+    known = [s.revision for s in script.walk_revisions()]  # newest first; the history is linear
+    try:
+        found = script.get_revision(revision)  # an id, a unique prefix of one, or head
+    except CommandError:
+        found = None
+    if found is None:
+        raise ArchiveError(
+            f"unknown revision {revision!r}: this sustain has {known[-1]} to {known[0]}, or head"
+        )
+    target = found.revision
     try:
         with engine.begin() as connection:
-            command.upgrade(_alembic_config(connection), revision)
+            current = MigrationContext.configure(connection).get_current_revision()
+            if current is not None and current not in known:
+                raise ArchiveError(
+                    f"database {describe(engine)} is at revision {current}, which this sustain "
+                    f"does not have (its newest is {known[0]}): upgrade sustain"
+                )
+            if current is not None and known.index(target) > known.index(current):
+                raise ArchiveError(
+                    f"database {describe(engine)} is at revision {current}, newer than {target}: "
+                    "sustain never downgrades the archive"
+                )
+            command.upgrade(_alembic_config(connection), target)
     except (SQLAlchemyError, CommandError) as exc:  # CommandError: a revision this agent lacks
         raise archive_error("migrate database", engine, exc) from exc
 

@@ -133,9 +133,9 @@ class EventRecord(Base):
 
 
 # The rows of the probe_results view (migration 0005), and the columns every capacity group
-# starts with.
+# starts with: what a result measured, whose figures are never mixed (the size since 0007).
 RESULTS_WHERE = text("outcome = 'ok' AND steady_throughput IS NOT NULL")
-RESULT_GROUP = ("precision", "workload", "optimization", "unit")
+RESULT_GROUP = ("precision", "workload", "optimization", "unit", "size")
 
 
 class ProbeRunRecord(Base):
@@ -147,13 +147,13 @@ class ProbeRunRecord(Base):
         UniqueConstraint("run_id", name="run_id"),
         CheckConstraint(
             "outcome IN ('running', 'ok', 'failed', 'timeout', 'unsupported', 'skipped', "
-            "'aborted')",
+            "'aborted', 'preempted')",
             name="outcome",
         ),
         Index(None, "node", "device", "workload", "started_at"),
         Index(None, "precision", "workload", "ended_at"),
         Index(None, "stack_id"),
-        # ``sustain capacity`` (agent.capacity): partial indexes of exactly the rows of the
+        # ``sustain capacity`` (agent.reports.capacity): partial indexes of exactly the rows of the
         # probe_results view, each holding every column the query reads, so that neither
         # database reads the table (about 2 KB a run with its JSON) nor sorts a million results.
         # by_device, in group order, gives results, devices and models per group as a stream;
@@ -201,6 +201,10 @@ class ProbeRunRecord(Base):
     workload: Mapped[str] = mapped_column(String(64))
     precision: Mapped[str] = mapped_column(String(16))
     optimization: Mapped[str] = mapped_column(String(16))
+    # The problem size the child ran, as its manifest says: "default", "small", or "default/4"
+    # for the default problem divided to fit the duration (migration 0007). NULL for runs
+    # archived without a manifest that said it.
+    size: Mapped[str | None] = mapped_column(String(32))
     outcome: Mapped[str] = mapped_column(String(16))
     reason: Mapped[str] = mapped_column(Text)
     started_at: Mapped[datetime] = mapped_column(UTCDateTime())
@@ -235,6 +239,10 @@ class ProbeRunRecord(Base):
     steady_power_watts: Mapped[float | None] = mapped_column(Float)
     steady_thermal_share: Mapped[float | None] = mapped_column(Float)
     steady_power_share: Mapped[float | None] = mapped_column(Float)
+    # Throughput percentiles over one-second windows of the whole run (migration 0006): what a
+    # run that never settled still delivered.
+    p10_throughput: Mapped[float | None] = mapped_column(Float)
+    p50_throughput: Mapped[float | None] = mapped_column(Float)
 
 
 class ProbeSeriesRecord(Base):

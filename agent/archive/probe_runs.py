@@ -13,15 +13,16 @@ import json
 from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy import Connection, Engine, update
+from sqlalchemy import Connection, Engine, and_, func, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import SQLAlchemyError
 
 from agent.archive.database import archive_error
 from agent.archive.models import ProbeRunRecord, ProbeSeriesRecord
-from agent.attribution import HW_SLOWDOWN, POWER_BRAKE, POWER_CAP, THERMAL_REASONS
-from agent.probe_analysis import RunAnalysis
-from agent.probes import ProbeRun, ProbeSpec
+from agent.probes.analysis import RunAnalysis
+from agent.probes.attribution import HW_SLOWDOWN, POWER_BRAKE, POWER_CAP, THERMAL_REASONS
+from agent.probes.runner import ProbeRun, ProbeSpec
+from agent.probes.scheduler import LATENCY_QUANTILES, ProbeKey, ProbeResult, RecordError
 
 
 def _time(timestamp: float) -> datetime:
@@ -42,6 +43,8 @@ def _analysis_values(analysis: RunAnalysis | None) -> dict[str, Any]:
         "sustained_ratio": figures.get("sustained_ratio"),
         "steady_start_index": figures.get("steady_start_index"),
         "warmup_seconds": figures.get("warmup_seconds"),
+        "p10_throughput": figures.get("p10_throughput"),
+        "p50_throughput": figures.get("p50_throughput"),
         "cause": analysis.attribution.cause,
         **_steady_telemetry(analysis),
         "work_per_joule": analysis.attribution.work_per_joule,
@@ -63,6 +66,12 @@ def _steady_telemetry(analysis: RunAnalysis) -> dict[str, Any]:
         "steady_thermal_share": _share(shares, (*THERMAL_REASONS, HW_SLOWDOWN)),
         "steady_power_share": _share(shares, (POWER_BRAKE, POWER_CAP)),
     }
+
+
+def _size(spec: ProbeSpec, reported: Any = None) -> str:
+    """The problem size the child ran: the one its manifest reports, else the one asked for (a
+    spec without a size asks the workload for its default)."""
+    return reported[:32] if isinstance(reported, str) else spec.size or "default"
 
 
 def _share(shares: dict[str, float], reasons: tuple[str, ...]) -> float | None:
@@ -88,6 +97,7 @@ class ProbeRunWriter:
             "workload": spec.workload,
             "precision": spec.precision,
             "optimization": spec.optimization,
+            "size": _size(spec),
         }
 
     def start_payload(self, run_id: str, spec: ProbeSpec, started_at: float) -> dict[str, Any]:
@@ -122,6 +132,7 @@ class ProbeRunWriter:
                 "iterations": len(run.iterations),
                 "throughput": run.throughput,
                 "unit": manifest.get("unit"),
+                "size": _size(run.spec, manifest.get("size")),
                 "exit_code": run.exit_code,
                 "manifest": None if run.manifest is None else json.dumps(manifest, sort_keys=True),
                 "result": None if run.result is None else json.dumps(run.result, sort_keys=True),
@@ -176,7 +187,9 @@ class ProbeRunWriter:
             with self._engine.begin() as connection:
                 self.apply(connection, kind, payload)
         except SQLAlchemyError as exc:
-            raise archive_error("record a probe run in", self._engine, exc) from exc
+            raise RecordError(
+                str(archive_error("record a probe run in", self._engine, exc))
+            ) from exc
 
     def abort_unfinished(self) -> int:
         """Mark this node's runs still ``running`` (the agent died during them) as aborted."""
@@ -190,6 +203,76 @@ class ProbeRunWriter:
                 return connection.execute(statement).rowcount
         except SQLAlchemyError as exc:
             raise archive_error("mark aborted probe runs in", self._engine, exc) from exc
+
+
+def latest_results(engine: Engine, node: str) -> list[tuple[ProbeKey, float, ProbeResult]]:
+    """The latest analysed ok run of each probe of ``node`` (key, end time, result): what the
+    probe gauges showed before a restart, restored from here at start-up."""
+    record = ProbeRunRecord
+    identity = (
+        record.workload,
+        record.precision,
+        record.optimization,
+        record.device,
+        record.device_label,
+    )
+    analysed = and_(record.node == node, record.outcome == "ok", record.analysis.is_not(None))
+    last = (
+        select(*identity, func.max(record.ended_at).label("last"))
+        .where(analysed)
+        .group_by(*identity)
+        .subquery()
+    )
+    statement = (
+        select(*identity, record.ended_at, record.manifest, record.result, record.analysis)
+        .join(
+            last,
+            and_(
+                *(column == last.c[column.key] for column in identity),
+                record.ended_at == last.c.last,
+            ),
+        )
+        .where(analysed)
+    )
+    try:
+        with engine.connect() as connection:
+            rows = connection.execute(statement).all()
+    except SQLAlchemyError as exc:
+        raise archive_error("read the latest probe results from", engine, exc) from exc
+    restored = []
+    for (
+        workload,
+        precision,
+        optimization,
+        device,
+        label,
+        ended_at,
+        manifest,
+        result,
+        analysis,
+    ) in rows:
+        if ended_at is None or analysis is None:  # excluded by the query; for the type checker
+            continue
+        facts = json.loads(manifest) if manifest else {}
+        latency = (json.loads(result) if result else {}).get("latency_seconds") or {}
+        uuid = "" if device == "host" else device
+        restored.append(
+            (
+                (workload, precision, optimization, label, uuid),
+                ended_at.timestamp(),
+                ProbeResult(
+                    unit=str(facts.get("unit", "")),
+                    work_unit=str(facts.get("work_unit", "")),
+                    analysis=RunAnalysis.from_dict(json.loads(analysis)),
+                    latency_seconds={
+                        name: float(value)
+                        for name, value in latency.items()
+                        if name in LATENCY_QUANTILES and isinstance(value, int | float)
+                    },
+                ),
+            )
+        )
+    return restored
 
 
 def _with_times(values: dict[str, Any]) -> dict[str, Any]:

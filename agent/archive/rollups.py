@@ -17,7 +17,7 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from agent.archive.database import archive_error
 from agent.archive.models import TelemetryRollup
-from agent.rollup import RollupRow
+from agent.telemetry.rollup import RollupRow
 
 _KEY = ("node", "collector", "device", "field", "labels", "period_start")
 

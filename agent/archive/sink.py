@@ -26,10 +26,10 @@ from agent.archive.events import EventWriter
 from agent.archive.probe_runs import ProbeRunWriter
 from agent.archive.rollups import RollupWriter
 from agent.archive.spool import Spool, SpoolError, SpoolItem
-from agent.archive.stacks import insert_snapshot, snapshot_payload
-from agent.probe_analysis import RunAnalysis
-from agent.probes import ProbeRun, ProbeSpec
-from agent.rollup import RollupRow
+from agent.archive.stack_snapshots import insert_snapshot, snapshot_payload
+from agent.probes.analysis import RunAnalysis
+from agent.probes.runner import ProbeRun, ProbeSpec
+from agent.telemetry.rollup import RollupRow
 from collectors.base import Event
 
 log = logging.getLogger(__name__)

@@ -38,6 +38,7 @@ struct nvmlGpmSample_st {
     struct nvmlGpmSample_st *next;
     bool taken;
     unsigned int device;
+    unsigned int gpu_instance_id; /* NVML_VALUE_NOT_AVAILABLE_UINT: the whole GPU */
     double t;
 };
 
@@ -48,13 +49,24 @@ static double g_epoch; /* real seconds at scenario time 0 */
 static double g_time_scale;
 /* Handles stay valid addresses for the life of the process, even across a shutdown. */
 static struct nvmlDevice_st g_handles[FAKE_MAX_DEVICES];
+static struct nvmlDevice_st g_mig_handles[FAKE_MAX_DEVICES][FAKE_MAX_MIG_DEVICES];
 static struct nvmlEventSet_st *g_event_sets;
 static struct nvmlGpmSample_st *g_samples;
 
 struct call {
-    unsigned int index;
+    unsigned int index;             /* the device, or the parent of a MIG device */
     const struct device *device;
+    const struct mig_device *mig;   /* NULL: the call names the device itself */
+    unsigned int mig_index;
     double t;
+};
+
+/* What a device function does with a MIG device handle. */
+enum mig_rule {
+    MIG_NOT_SUPPORTED, /* parents only: a MIG handle gets NVML_ERROR_NOT_SUPPORTED */
+    MIG_INVALID,       /* parents only: a MIG handle gets NVML_ERROR_INVALID_ARGUMENT */
+    MIG_ALLOWED,       /* either kind of handle */
+    MIG_ONLY,          /* MIG handles only: a parent gets NVML_ERROR_INVALID_ARGUMENT */
 };
 
 HELPER double real_seconds(void)
@@ -93,13 +105,18 @@ HELPER nvmlReturn_t enter(void)
     return NVML_SUCCESS;
 }
 
-/* With the mutex held: faults in force for this device and function. */
-HELPER nvmlReturn_t check_device(unsigned int index, enum fn fn, struct call *call)
+/* With the mutex held: faults in force for this device (mig FAKE_NO_MIG) or this MIG device of
+ * it, and this function. */
+HELPER nvmlReturn_t check_device(unsigned int index, unsigned int mig, enum fn fn,
+                                 struct call *call)
 {
     call->index = index;
     call->device = &g_scenario->devices[index];
+    call->mig = mig == FAKE_NO_MIG ? NULL : &call->device->migs[mig];
+    call->mig_index = mig;
     call->t = scenario_now();
-    nvmlReturn_t fault = device_fault(call->device, fn, call->t);
+    nvmlReturn_t fault = call->mig == NULL ? device_fault(call->device, fn, call->t)
+                                           : mig_fault(call->device, call->mig, fn, call->t);
     return fault == NVML_SUCCESS ? NVML_SUCCESS : leave(fault);
 }
 
@@ -115,18 +132,51 @@ HELPER bool handle_index(nvmlDevice_t device, unsigned int *index)
     return *index < g_scenario->device_count;
 }
 
-HELPER nvmlReturn_t enter_device(nvmlDevice_t device, enum fn fn, struct call *call)
+/* A MIG device handle of the current scenario: its parent's index and its MIG index. */
+HELPER bool mig_handle_index(nvmlDevice_t device, unsigned int *index, unsigned int *mig)
 {
-    unsigned int index;
+    uintptr_t address = (uintptr_t)device;
+    uintptr_t base = (uintptr_t)g_mig_handles;
+    if (address < base || address >= base + sizeof g_mig_handles ||
+        (address - base) % sizeof g_mig_handles[0][0] != 0) {
+        return false;
+    }
+    unsigned int slot = (unsigned int)((address - base) / sizeof g_mig_handles[0][0]);
+    *index = slot / FAKE_MAX_MIG_DEVICES;
+    *mig = slot % FAKE_MAX_MIG_DEVICES;
+    return *index < g_scenario->device_count && *mig < g_scenario->devices[*index].n_migs;
+}
+
+/* Faults come first: a lost parent makes its MIG handles lost whatever the function. */
+HELPER nvmlReturn_t enter_handle(nvmlDevice_t device, enum fn fn, enum mig_rule rule,
+                                 struct call *call)
+{
+    unsigned int index, mig = FAKE_NO_MIG;
     nvmlReturn_t result = enter();
     if (result != NVML_SUCCESS) {
         return result;
     }
-    if (!handle_index(device, &index)) {
+    if (!handle_index(device, &index) && !mig_handle_index(device, &index, &mig)) {
         return leave(NVML_ERROR_INVALID_ARGUMENT);
     }
-    return check_device(index, fn, call);
+    result = check_device(index, mig, fn, call);
+    if (result != NVML_SUCCESS) {
+        return result;
+    }
+    if (call->mig != NULL && rule == MIG_NOT_SUPPORTED) {
+        return leave(NVML_ERROR_NOT_SUPPORTED);
+    }
+    if ((call->mig != NULL && rule == MIG_INVALID) || (call->mig == NULL && rule == MIG_ONLY)) {
+        return leave(NVML_ERROR_INVALID_ARGUMENT);
+    }
+    return NVML_SUCCESS;
 }
+
+HELPER nvmlReturn_t enter_device(nvmlDevice_t device, enum fn fn, struct call *call)
+{
+    return enter_handle(device, fn, MIG_NOT_SUPPORTED, call);
+}
+
 
 HELPER nvmlReturn_t copy_string(const char *value, char *buffer, unsigned int length)
 {
@@ -149,6 +199,12 @@ HELPER unsigned int value_u32(const struct call *call, enum key key)
 HELPER unsigned long long value_u64(const struct call *call, enum key key)
 {
     return (unsigned long long)device_value(call->device, key, call->t);
+}
+
+/* Whether the device of the call (the parent, for a MIG device) is in MIG mode. */
+HELPER bool in_mig_mode(const struct call *call)
+{
+    return value_u32(call, K_MIG_MODE) != 0;
 }
 
 /* Clock event reasons whose time each perf policy counts; 0: the counter stays at 0. */
@@ -228,6 +284,9 @@ HELPER void fill_field(const struct call *call, nvmlFieldValue_t *field)
         field->value.uiVal = value_u32(call, K_MEM_TEMP_C);
         return;
     case NVML_FI_DEV_POWER_AVERAGE:
+        field->valueType = NVML_VALUE_TYPE_UNSIGNED_INT;
+        field->value.uiVal = value_u32(call, K_POWER_AVERAGE_MW);
+        return;
     case NVML_FI_DEV_POWER_INSTANT:
         field->valueType = NVML_VALUE_TYPE_UNSIGNED_INT;
         field->value.uiVal = value_u32(call, K_POWER_MW);
@@ -502,7 +561,7 @@ NVML_API nvmlReturn_t nvmlDeviceGetHandleByIndex_v2(unsigned int index, nvmlDevi
     if (index >= g_scenario->device_count || device == NULL) {
         return leave(NVML_ERROR_INVALID_ARGUMENT);
     }
-    result = check_device(index, FN_nvmlDeviceGetHandleByIndex_v2, &call);
+    result = check_device(index, FAKE_NO_MIG, FN_nvmlDeviceGetHandleByIndex_v2, &call);
     if (result != NVML_SUCCESS) {
         return result;
     }
@@ -522,20 +581,26 @@ NVML_API nvmlReturn_t nvmlDeviceGetHandleByUUID(const char *uuid, nvmlDevice_t *
     if (uuid == NULL || device == NULL) {
         return leave(NVML_ERROR_INVALID_ARGUMENT);
     }
-    unsigned int index = 0;
-    while (index < g_scenario->device_count &&
-           strcmp(g_scenario->devices[index].uuid, uuid) != 0) {
-        index++;
+    for (unsigned int index = 0; index < g_scenario->device_count; index++) {
+        const struct device *d = &g_scenario->devices[index];
+        unsigned int mig = FAKE_NO_MIG;
+        if (strcmp(d->uuid, uuid) != 0) {
+            mig = 0;
+            while (mig < d->n_migs && strcmp(d->migs[mig].uuid, uuid) != 0) {
+                mig++;
+            }
+            if (mig == d->n_migs) {
+                continue;
+            }
+        }
+        result = check_device(index, mig, FN_nvmlDeviceGetHandleByUUID, &call);
+        if (result != NVML_SUCCESS) {
+            return result;
+        }
+        *device = mig == FAKE_NO_MIG ? &g_handles[index] : &g_mig_handles[index][mig];
+        return leave(NVML_SUCCESS);
     }
-    if (index == g_scenario->device_count) {
-        return leave(NVML_ERROR_NOT_FOUND);
-    }
-    result = check_device(index, FN_nvmlDeviceGetHandleByUUID, &call);
-    if (result != NVML_SUCCESS) {
-        return result;
-    }
-    *device = &g_handles[index];
-    return leave(NVML_SUCCESS);
+    return leave(NVML_ERROR_NOT_FOUND);
 }
 #endif
 
@@ -543,7 +608,7 @@ NVML_API nvmlReturn_t nvmlDeviceGetHandleByUUID(const char *uuid, nvmlDevice_t *
 NVML_API nvmlReturn_t nvmlDeviceGetIndex(nvmlDevice_t device, unsigned int *index)
 {
     struct call call;
-    nvmlReturn_t result = enter_device(device, FN_nvmlDeviceGetIndex, &call);
+    nvmlReturn_t result = enter_handle(device, FN_nvmlDeviceGetIndex, MIG_INVALID, &call);
     if (result != NVML_SUCCESS) {
         return result;
     }
@@ -567,10 +632,33 @@ NVML_API nvmlReturn_t nvmlDeviceGetIndex(nvmlDevice_t device, unsigned int *inde
     }
 
 #ifndef OMIT_nvmlDeviceGetUUID
-DEVICE_STRING_GETTER(nvmlDeviceGetUUID, uuid)
+NVML_API nvmlReturn_t nvmlDeviceGetUUID(nvmlDevice_t device, char *uuid, unsigned int length)
+{
+    struct call call;
+    nvmlReturn_t result = enter_handle(device, FN_nvmlDeviceGetUUID, MIG_ALLOWED, &call);
+    if (result != NVML_SUCCESS) {
+        return result;
+    }
+    return leave(copy_string(call.mig != NULL ? call.mig->uuid : call.device->uuid, uuid,
+                             length));
+}
 #endif
+
 #ifndef OMIT_nvmlDeviceGetName
-DEVICE_STRING_GETTER(nvmlDeviceGetName, name)
+NVML_API nvmlReturn_t nvmlDeviceGetName(nvmlDevice_t device, char *name, unsigned int length)
+{
+    struct call call;
+    char mig_name[NVML_DEVICE_NAME_V2_BUFFER_SIZE + 8];
+    nvmlReturn_t result = enter_handle(device, FN_nvmlDeviceGetName, MIG_ALLOWED, &call);
+    if (result != NVML_SUCCESS) {
+        return result;
+    }
+    if (call.mig == NULL) {
+        return leave(copy_string(call.device->name, name, length));
+    }
+    snprintf(mig_name, sizeof mig_name, "%s MIG", call.device->name);
+    return leave(copy_string(mig_name, name, length));
+}
 #endif
 #ifndef OMIT_nvmlDeviceGetSerial
 DEVICE_STRING_GETTER(nvmlDeviceGetSerial, serial)
@@ -628,11 +716,11 @@ NVML_API nvmlReturn_t nvmlDeviceGetCudaComputeCapability(nvmlDevice_t device, in
 
 /* ---- Plain numeric getters ---- */
 
-#define DEVICE_GETTER(name, type, expression)                                            \
+#define HANDLE_GETTER(name, rule, type, expression)                                       \
     NVML_API nvmlReturn_t name(nvmlDevice_t device, type *out)                           \
     {                                                                                    \
         struct call call;                                                                \
-        nvmlReturn_t result = enter_device(device, FN_##name, &call);                    \
+        nvmlReturn_t result = enter_handle(device, FN_##name, rule, &call);              \
         if (result != NVML_SUCCESS) {                                                    \
             return result;                                                               \
         }                                                                                \
@@ -642,13 +730,15 @@ NVML_API nvmlReturn_t nvmlDeviceGetCudaComputeCapability(nvmlDevice_t device, in
         *out = (type)(expression);                                                       \
         return leave(NVML_SUCCESS);                                                      \
     }
+#define DEVICE_GETTER(name, type, expression) \
+    HANDLE_GETTER(name, MIG_NOT_SUPPORTED, type, expression)
 
 #ifndef OMIT_nvmlDeviceGetArchitecture
 DEVICE_GETTER(nvmlDeviceGetArchitecture, nvmlDeviceArchitecture_t,
               value_u32(&call, K_ARCHITECTURE))
 #endif
 #ifndef OMIT_nvmlDeviceGetPowerUsage
-DEVICE_GETTER(nvmlDeviceGetPowerUsage, unsigned int, value_u32(&call, K_POWER_MW))
+DEVICE_GETTER(nvmlDeviceGetPowerUsage, unsigned int, value_u32(&call, K_POWER_AVERAGE_MW))
 #endif
 #ifndef OMIT_nvmlDeviceGetEnforcedPowerLimit
 DEVICE_GETTER(nvmlDeviceGetEnforcedPowerLimit, unsigned int, value_u32(&call, K_POWER_LIMIT_MW))
@@ -834,20 +924,36 @@ NVML_API nvmlReturn_t nvmlDeviceGetUtilizationRates(nvmlDevice_t device,
     if (utilization == NULL) {
         return leave(NVML_ERROR_INVALID_ARGUMENT);
     }
+    if (in_mig_mode(&call)) {
+        return leave(NVML_ERROR_NOT_SUPPORTED); /* as NVML: no utilization in MIG mode */
+    }
     utilization->gpu = value_u32(&call, K_GPU_UTIL_PCT);
     utilization->memory = value_u32(&call, K_MEM_UTIL_PCT);
     return leave(NVML_SUCCESS);
 }
 #endif
 
-/* Memory as NVML reports it: v2 separates the reserved memory that v1 counts as used. */
+/* Memory as NVML reports it: v2 separates the reserved memory that v1 counts as used. A MIG
+ * device has its own total, nothing reserved, and its running processes' memory in use. */
 HELPER void memory_now(const struct call *call, unsigned long long *total,
                        unsigned long long *reserved, unsigned long long *used,
                        unsigned long long *free_bytes)
 {
-    *total = value_u64(call, K_MEMORY_TOTAL_BYTES);
-    *reserved = value_u64(call, K_MEMORY_RESERVED_BYTES);
-    *used = value_u64(call, K_MEMORY_USED_BYTES);
+    if (call->mig != NULL) {
+        const struct schedule *schedule = &call->mig->schedule;
+        *total = call->mig->memory_total_bytes;
+        *reserved = 0;
+        *used = 0;
+        for (size_t i = 0; i < schedule->n_processes; i++) {
+            if (process_running(&schedule->processes[i], call->t)) {
+                *used += schedule->processes[i].used_bytes;
+            }
+        }
+    } else {
+        *total = value_u64(call, K_MEMORY_TOTAL_BYTES);
+        *reserved = value_u64(call, K_MEMORY_RESERVED_BYTES);
+        *used = value_u64(call, K_MEMORY_USED_BYTES);
+    }
     *free_bytes = *reserved + *used < *total ? *total - *reserved - *used : 0;
 }
 
@@ -856,7 +962,7 @@ NVML_API nvmlReturn_t nvmlDeviceGetMemoryInfo(nvmlDevice_t device, nvmlMemory_t 
 {
     struct call call;
     unsigned long long total, reserved, used, free_bytes;
-    nvmlReturn_t result = enter_device(device, FN_nvmlDeviceGetMemoryInfo, &call);
+    nvmlReturn_t result = enter_handle(device, FN_nvmlDeviceGetMemoryInfo, MIG_ALLOWED, &call);
     if (result != NVML_SUCCESS) {
         return result;
     }
@@ -876,7 +982,8 @@ NVML_API nvmlReturn_t nvmlDeviceGetMemoryInfo_v2(nvmlDevice_t device, nvmlMemory
 {
     struct call call;
     unsigned long long total, reserved, used, free_bytes;
-    nvmlReturn_t result = enter_device(device, FN_nvmlDeviceGetMemoryInfo_v2, &call);
+    nvmlReturn_t result =
+        enter_handle(device, FN_nvmlDeviceGetMemoryInfo_v2, MIG_ALLOWED, &call);
     if (result != NVML_SUCCESS) {
         return result;
     }
@@ -1003,42 +1110,221 @@ NVML_API nvmlReturn_t nvmlDeviceGetViolationStatus(nvmlDevice_t device,
 
 /* ---- Processes ---- */
 
+/* Appends the processes of one schedule running at t to out[count...] (when out is not NULL);
+ * returns the new count. */
+HELPER unsigned int add_running(const struct schedule *schedule, unsigned int gpu_instance_id,
+                                unsigned int compute_instance_id, double t,
+                                nvmlProcessInfo_t *out, unsigned int count)
+{
+    for (size_t i = 0; i < schedule->n_processes; i++) {
+        const struct process *p = &schedule->processes[i];
+        if (!process_running(p, t)) {
+            continue;
+        }
+        if (out != NULL) {
+            out[count] = (nvmlProcessInfo_t){
+                .pid = p->pid,
+                .usedGpuMemory = p->used_bytes,
+                .gpuInstanceId = gpu_instance_id,
+                .computeInstanceId = compute_instance_id,
+            };
+        }
+        count++;
+    }
+    return count;
+}
+
+/* A MIG device's processes; a parent's own, then those of each of its MIG devices in order. */
+HELPER unsigned int running_processes(const struct call *call, nvmlProcessInfo_t *out)
+{
+    const struct mig_device *mig = call->mig;
+    if (mig != NULL) {
+        return add_running(&mig->schedule, mig->gpu_instance_id, mig->compute_instance_id,
+                           call->t, out, 0);
+    }
+    unsigned int count = add_running(&call->device->schedule, NVML_VALUE_NOT_AVAILABLE_UINT,
+                                     NVML_VALUE_NOT_AVAILABLE_UINT, call->t, out, 0);
+    for (unsigned int i = 0; i < call->device->n_migs; i++) {
+        mig = &call->device->migs[i];
+        count = add_running(&mig->schedule, mig->gpu_instance_id, mig->compute_instance_id,
+                            call->t, out, count);
+    }
+    return count;
+}
+
 #ifndef OMIT_nvmlDeviceGetComputeRunningProcesses_v3
 NVML_API nvmlReturn_t nvmlDeviceGetComputeRunningProcesses_v3(nvmlDevice_t device,
                                                               unsigned int *infoCount,
                                                               nvmlProcessInfo_t *infos)
 {
     struct call call;
-    nvmlReturn_t result =
-        enter_device(device, FN_nvmlDeviceGetComputeRunningProcesses_v3, &call);
+    nvmlReturn_t result = enter_handle(device, FN_nvmlDeviceGetComputeRunningProcesses_v3,
+                                       MIG_ALLOWED, &call);
     if (result != NVML_SUCCESS) {
         return result;
     }
     if (infoCount == NULL) {
         return leave(NVML_ERROR_INVALID_ARGUMENT);
     }
-    const struct device *d = call.device;
-    unsigned int running = 0;
-    for (size_t i = 0; i < d->n_processes; i++) {
-        running += call.t >= d->processes[i].start && call.t < d->processes[i].end;
-    }
+    unsigned int running = running_processes(&call, NULL);
     if (infos == NULL || *infoCount < running) {
         *infoCount = running;
         return leave(running == 0 ? NVML_SUCCESS : NVML_ERROR_INSUFFICIENT_SIZE);
     }
-    unsigned int filled = 0;
-    for (size_t i = 0; i < d->n_processes; i++) {
-        const struct process *p = &d->processes[i];
-        if (call.t >= p->start && call.t < p->end) {
-            infos[filled++] = (nvmlProcessInfo_t){
-                .pid = p->pid,
-                .usedGpuMemory = p->used_bytes,
-                .gpuInstanceId = NVML_VALUE_NOT_AVAILABLE_UINT,
-                .computeInstanceId = NVML_VALUE_NOT_AVAILABLE_UINT,
-            };
-        }
+    *infoCount = running_processes(&call, infos);
+    return leave(NVML_SUCCESS);
+}
+#endif
+
+/* ---- MIG ---- */
+
+/* For the MIG queries on a parent: 0 means a GPU without MIG support. */
+HELPER unsigned int max_mig_devices(const struct call *call)
+{
+    return value_u32(call, K_MAX_MIG_DEVICES);
+}
+
+/* The MIG queries of a parent: a MIG handle or a NULL output (outputs_given false) is
+ * INVALID_ARGUMENT, a GPU without MIG support NOT_SUPPORTED. */
+HELPER nvmlReturn_t enter_mig_query(nvmlDevice_t device, enum fn fn, bool outputs_given,
+                                    struct call *call)
+{
+    nvmlReturn_t result = enter_handle(device, fn, MIG_INVALID, call);
+    if (result != NVML_SUCCESS) {
+        return result;
     }
-    *infoCount = filled;
+    if (!outputs_given) {
+        return leave(NVML_ERROR_INVALID_ARGUMENT);
+    }
+    if (max_mig_devices(call) == 0) {
+        return leave(NVML_ERROR_NOT_SUPPORTED);
+    }
+    return NVML_SUCCESS;
+}
+
+#ifndef OMIT_nvmlDeviceGetMigMode
+NVML_API nvmlReturn_t nvmlDeviceGetMigMode(nvmlDevice_t device, unsigned int *currentMode,
+                                           unsigned int *pendingMode)
+{
+    struct call call;
+    nvmlReturn_t result = enter_mig_query(device, FN_nvmlDeviceGetMigMode,
+                                          currentMode != NULL && pendingMode != NULL, &call);
+    if (result != NVML_SUCCESS) {
+        return result;
+    }
+    *currentMode = *pendingMode = value_u32(&call, K_MIG_MODE);
+    return leave(NVML_SUCCESS);
+}
+#endif
+
+#ifndef OMIT_nvmlDeviceGetMaxMigDeviceCount
+NVML_API nvmlReturn_t nvmlDeviceGetMaxMigDeviceCount(nvmlDevice_t device, unsigned int *count)
+{
+    struct call call;
+    nvmlReturn_t result =
+        enter_mig_query(device, FN_nvmlDeviceGetMaxMigDeviceCount, count != NULL, &call);
+    if (result != NVML_SUCCESS) {
+        return result;
+    }
+    *count = in_mig_mode(&call) ? max_mig_devices(&call) : 0;
+    return leave(NVML_SUCCESS);
+}
+#endif
+
+#ifndef OMIT_nvmlDeviceGetMigDeviceHandleByIndex
+NVML_API nvmlReturn_t nvmlDeviceGetMigDeviceHandleByIndex(nvmlDevice_t device, unsigned int index,
+                                                          nvmlDevice_t *migDevice)
+{
+    struct call call;
+    nvmlReturn_t result = enter_mig_query(device, FN_nvmlDeviceGetMigDeviceHandleByIndex,
+                                          migDevice != NULL, &call);
+    if (result != NVML_SUCCESS) {
+        return result;
+    }
+    if (!in_mig_mode(&call) || index >= max_mig_devices(&call)) {
+        return leave(NVML_ERROR_INVALID_ARGUMENT);
+    }
+    if (index >= call.device->n_migs) {
+        return leave(NVML_ERROR_NOT_FOUND);
+    }
+    *migDevice = &g_mig_handles[call.index][index];
+    return leave(NVML_SUCCESS);
+}
+#endif
+
+#ifndef OMIT_nvmlDeviceIsMigDeviceHandle
+HANDLE_GETTER(nvmlDeviceIsMigDeviceHandle, MIG_ALLOWED, unsigned int, call.mig != NULL)
+#endif
+#ifndef OMIT_nvmlDeviceGetDeviceHandleFromMigDeviceHandle
+HANDLE_GETTER(nvmlDeviceGetDeviceHandleFromMigDeviceHandle, MIG_ONLY, nvmlDevice_t,
+              &g_handles[call.index])
+#endif
+#ifndef OMIT_nvmlDeviceGetGpuInstanceId
+HANDLE_GETTER(nvmlDeviceGetGpuInstanceId, MIG_ONLY, unsigned int, call.mig->gpu_instance_id)
+#endif
+#ifndef OMIT_nvmlDeviceGetComputeInstanceId
+HANDLE_GETTER(nvmlDeviceGetComputeInstanceId, MIG_ONLY, unsigned int,
+              call.mig->compute_instance_id)
+#endif
+
+/* ---- CPU and NUMA affinity (a MIG device answers its parent's) ---- */
+
+HELPER nvmlReturn_t cpu_affinity(nvmlDevice_t device, enum fn fn, unsigned int size,
+                                 unsigned long *set, nvmlAffinityScope_t scope)
+{
+    struct call call;
+    nvmlReturn_t result = enter_handle(device, fn, MIG_ALLOWED, &call);
+    if (result != NVML_SUCCESS) {
+        return result;
+    }
+    if (set == NULL || size == 0 ||
+        (scope != NVML_AFFINITY_SCOPE_NODE && scope != NVML_AFFINITY_SCOPE_SOCKET)) {
+        return leave(NVML_ERROR_INVALID_ARGUMENT);
+    }
+    if (!call.device->cpu_affinity_set) {
+        return leave(NVML_ERROR_NOT_SUPPORTED);
+    }
+    for (unsigned int i = 0; i < size; i++) {
+        set[i] = i < FAKE_CPU_WORDS ? (unsigned long)call.device->cpu_affinity[i] : 0;
+    }
+    return leave(NVML_SUCCESS);
+}
+
+#ifndef OMIT_nvmlDeviceGetCpuAffinity
+NVML_API nvmlReturn_t nvmlDeviceGetCpuAffinity(nvmlDevice_t device, unsigned int cpuSetSize,
+                                               unsigned long *cpuSet)
+{
+    return cpu_affinity(device, FN_nvmlDeviceGetCpuAffinity, cpuSetSize, cpuSet,
+                        NVML_AFFINITY_SCOPE_NODE);
+}
+#endif
+
+#ifndef OMIT_nvmlDeviceGetCpuAffinityWithinScope
+NVML_API nvmlReturn_t nvmlDeviceGetCpuAffinityWithinScope(nvmlDevice_t device,
+                                                          unsigned int cpuSetSize,
+                                                          unsigned long *cpuSet,
+                                                          nvmlAffinityScope_t scope)
+{
+    return cpu_affinity(device, FN_nvmlDeviceGetCpuAffinityWithinScope, cpuSetSize, cpuSet,
+                        scope);
+}
+#endif
+
+#ifndef OMIT_nvmlDeviceGetNumaNodeId
+NVML_API nvmlReturn_t nvmlDeviceGetNumaNodeId(nvmlDevice_t device, int *node)
+{
+    struct call call;
+    nvmlReturn_t result = enter_handle(device, FN_nvmlDeviceGetNumaNodeId, MIG_ALLOWED, &call);
+    if (result != NVML_SUCCESS) {
+        return result;
+    }
+    if (node == NULL) {
+        return leave(NVML_ERROR_INVALID_ARGUMENT);
+    }
+    if (!call.device->series[K_NUMA_NODE].set) {
+        return leave(NVML_ERROR_NOT_SUPPORTED);
+    }
+    *node = (int)value_u32(&call, K_NUMA_NODE);
     return leave(NVML_SUCCESS);
 }
 #endif
@@ -1159,6 +1445,20 @@ NVML_API nvmlReturn_t nvmlEventSetFree(nvmlEventSet_t set)
 
 /* ---- GPU performance monitoring (GPM) ---- */
 
+/* Not an NVML function, and never omitted: how many GPM samples nvmlGpmSampleAlloc handed out
+ * that nvmlGpmSampleFree has not taken back yet, so that a test can see a leak. It answers
+ * without an init (0 when none is live: the last nvmlShutdown frees them all). */
+NVML_API unsigned int fakenvml_gpm_samples_outstanding(void)
+{
+    unsigned int count = 0;
+    pthread_mutex_lock(&g_lock);
+    for (const struct nvmlGpmSample_st *live = g_samples; live != NULL; live = live->next) {
+        count++;
+    }
+    pthread_mutex_unlock(&g_lock);
+    return count;
+}
+
 #ifndef OMIT_nvmlGpmQueryDeviceSupport
 NVML_API nvmlReturn_t nvmlGpmQueryDeviceSupport(nvmlDevice_t device,
                                                 nvmlGpmSupport_t *gpmSupport)
@@ -1235,6 +1535,39 @@ NVML_API nvmlReturn_t nvmlGpmSampleGet(nvmlDevice_t device, nvmlGpmSample_t gpmS
     }
     sample->taken = true;
     sample->device = call.index;
+    sample->gpu_instance_id = NVML_VALUE_NOT_AVAILABLE_UINT;
+    sample->t = call.t;
+    return leave(NVML_SUCCESS);
+}
+#endif
+
+#ifndef OMIT_nvmlGpmMigSampleGet
+NVML_API nvmlReturn_t nvmlGpmMigSampleGet(nvmlDevice_t device, unsigned int gpuInstanceId,
+                                          nvmlGpmSample_t gpmSample)
+{
+    struct call call;
+    nvmlReturn_t result = enter_handle(device, FN_nvmlGpmMigSampleGet, MIG_INVALID, &call);
+    if (result != NVML_SUCCESS) {
+        return result;
+    }
+    struct nvmlGpmSample_st *sample = find_sample(gpmSample);
+    if (sample == NULL) {
+        return leave(NVML_ERROR_INVALID_ARGUMENT);
+    }
+    if (value_u32(&call, K_GPM_SUPPORTED) == 0 || !in_mig_mode(&call)) {
+        return leave(NVML_ERROR_NOT_SUPPORTED);
+    }
+    unsigned int mig = 0;
+    while (mig < call.device->n_migs &&
+           call.device->migs[mig].gpu_instance_id != gpuInstanceId) {
+        mig++;
+    }
+    if (mig == call.device->n_migs) {
+        return leave(NVML_ERROR_NOT_FOUND);
+    }
+    sample->taken = true;
+    sample->device = call.index;
+    sample->gpu_instance_id = gpuInstanceId;
     sample->t = call.t;
     return leave(NVML_SUCCESS);
 }
@@ -1311,12 +1644,13 @@ NVML_API nvmlReturn_t nvmlGpmMetricsGet(nvmlGpmMetricsGet_t *metricsGet)
     const struct nvmlGpmSample_st *first = find_sample(metricsGet->sample1);
     const struct nvmlGpmSample_st *second = find_sample(metricsGet->sample2);
     if (first == NULL || second == NULL || !first->taken || !second->taken ||
-        first->device != second->device || first->t > second->t ||
+        first->device != second->device || first->gpu_instance_id != second->gpu_instance_id ||
+        first->t > second->t ||
         second->device >= g_scenario->device_count ||
         metricsGet->numMetrics > NVML_GPM_METRIC_MAX) {
         return leave(NVML_ERROR_INVALID_ARGUMENT);
     }
-    result = check_device(second->device, FN_nvmlGpmMetricsGet, &call);
+    result = check_device(second->device, FAKE_NO_MIG, FN_nvmlGpmMetricsGet, &call);
     if (result != NVML_SUCCESS) {
         return result;
     }

@@ -111,6 +111,10 @@ typedef enum nvmlPStates_enum {
 
 typedef unsigned int nvmlDeviceArchitecture_t;
 
+typedef unsigned int nvmlAffinityScope_t;
+#define NVML_AFFINITY_SCOPE_NODE 0
+#define NVML_AFFINITY_SCOPE_SOCKET 1
+
 /* Field ids (NVML_FI_*). */
 #define NVML_FI_DEV_PERF_POLICY_POWER 74
 #define NVML_FI_DEV_PERF_POLICY_THERMAL 75
@@ -299,5 +303,6 @@ _Static_assert(sizeof(nvmlEventData_t) == 32, "nvmlEventData_t");
 _Static_assert(sizeof(nvmlGpmMetric_t) == 40 && offsetof(nvmlGpmMetric_t, value) == 8,
                "nvmlGpmMetric_t");
 _Static_assert(offsetof(nvmlGpmMetricsGet_t, metrics) == 24, "nvmlGpmMetricsGet_t");
+_Static_assert(sizeof(unsigned long) == 8, "CPU sets: 64 CPUs per unsigned long (c_ulonglong)");
 
 #endif

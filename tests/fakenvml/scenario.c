@@ -43,6 +43,7 @@ static const struct key_info KEYS[K_COUNT] = {
     [K_GRAPHICS_CLOCK_MHZ] = {"graphics_clock_mhz", KIND_U32, 345, false},
     [K_VIDEO_CLOCK_MHZ] = {"video_clock_mhz", KIND_U32, 765, false},
     [K_POWER_MW] = {"power_mw", KIND_U32, 70000, false},
+    [K_POWER_AVERAGE_MW] = {"power_average_mw", KIND_U32, 70000, false},
     [K_POWER_LIMIT_MW] = {"power_limit_mw", KIND_U32, 700000, false},
     [K_GPU_TEMP_C] = {"gpu_temp_c", KIND_U32, 32, false},
     [K_MEM_TEMP_C] = {"mem_temp_c", KIND_U32, 30, false},
@@ -76,6 +77,9 @@ static const struct key_info KEYS[K_COUNT] = {
     [K_PCI_SUBSYSTEM_ID] = {"pci_subsystem_id", KIND_U32, 0x16C110DE, true},
     [K_SUPPORTED_REASONS] = {"supported_reasons", KIND_U64, 0x1FF, true},
     [K_SUPPORTED_EVENT_TYPES] = {"supported_event_types", KIND_U64, 0x11F, true},
+    [K_MIG_MODE] = {"mig_mode", KIND_U32, 0, true},
+    [K_MAX_MIG_DEVICES] = {"max_mig_devices", KIND_U32, 7, true},
+    [K_NUMA_NODE] = {"numa_node", KIND_U32, 0, true}, /* never set: NOT_SUPPORTED */
 };
 
 static const char *const FN_NAMES[FN_COUNT] = {
@@ -228,6 +232,41 @@ static bool parse_declared_device(const struct parser *p, const char *text, stru
     return true;
 }
 
+/* `P` (a declared device) or `P:I` (MIG device I of parent P, declared by a `mig` line): the
+ * schedule that `fault` and `process` lines of that target add to. */
+static bool parse_target(const struct parser *p, const char *text, struct schedule **out)
+{
+    char parent_text[32];
+    const char *colon = strchr(text, ':');
+    struct device *device;
+    if (colon == NULL) {
+        if (!parse_declared_device(p, text, &device)) {
+            return false;
+        }
+        *out = &device->schedule;
+        return true;
+    }
+    size_t length = (size_t)(colon - text);
+    double mig;
+    if (length == 0 || length >= sizeof parent_text || !parse_number(colon + 1, &mig) ||
+        mig != floor(mig) || mig >= FAKE_MAX_MIG_DEVICES) {
+        report(p, "bad device '%s' (an index, or PARENT:MIG_INDEX for a MIG device)", text);
+        return false;
+    }
+    memcpy(parent_text, text, length);
+    parent_text[length] = '\0';
+    if (!parse_declared_device(p, parent_text, &device)) {
+        return false;
+    }
+    if ((unsigned int)mig >= device->n_migs) {
+        report(p, "MIG device %s is not declared (device %s has %u MIG devices; declare them "
+                  "with 'mig' lines first)", text, parent_text, device->n_migs);
+        return false;
+    }
+    *out = &device->migs[(unsigned int)mig].schedule;
+    return true;
+}
+
 /* A scenario time in seconds; "-" gives `dash` (start of time or forever). */
 static bool parse_time(const struct parser *p, const char *text, double dash, double *out)
 {
@@ -306,6 +345,49 @@ static bool set_pci_bus_id(const struct parser *p, struct device *device, const 
     return true;
 }
 
+/* One item of a CPU list, `N` or `N-M`, at *cursor; advances past it. */
+static bool parse_cpu_range(const char **cursor, unsigned long *first, unsigned long *last)
+{
+    char *end;
+    if (!isdigit((unsigned char)**cursor)) {
+        return false;
+    }
+    errno = 0;
+    *first = *last = strtoul(*cursor, &end, 10);
+    if (*end == '-') {
+        if (!isdigit((unsigned char)end[1])) {
+            return false;
+        }
+        *last = strtoul(end + 1, &end, 10);
+    }
+    *cursor = end;
+    return errno == 0 && *first <= *last && *last < FAKE_MAX_CPUS;
+}
+
+/* A Linux CPU list such as 0-3,8,10-11. */
+static bool set_cpu_affinity(const struct parser *p, struct device *device, const char *value)
+{
+    uint64_t cpus[FAKE_CPU_WORDS] = {0};
+    const char *cursor = value;
+    for (;;) {
+        unsigned long first, last;
+        if (!parse_cpu_range(&cursor, &first, &last) || (*cursor != ',' && *cursor != '\0')) {
+            report(p, "bad cpu_affinity '%s' (a CPU list such as 0-3,8,10-11, CPUs below %d)",
+                   value, FAKE_MAX_CPUS);
+            return false;
+        }
+        for (unsigned long cpu = first; cpu <= last; cpu++) {
+            cpus[cpu / 64] |= 1ULL << (cpu % 64);
+        }
+        if (*cursor++ == '\0') {
+            break;
+        }
+    }
+    memcpy(device->cpu_affinity, cpus, sizeof cpus);
+    device->cpu_affinity_set = true;
+    return true;
+}
+
 /* A string property or a numeric key with its t=0 value, from a device line. */
 static bool set_device_property(const struct parser *p, struct device *device, const char *key,
                                 const char *value)
@@ -329,6 +411,9 @@ static bool set_device_property(const struct parser *p, struct device *device, c
     if (strcmp(key, "pci_bus_id") == 0) {
         return set_pci_bus_id(p, device, value);
     }
+    if (strcmp(key, "cpu_affinity") == 0) {
+        return set_cpu_affinity(p, device, value);
+    }
     int numeric = find_key(key);
     if (numeric < 0) {
         report(p, "unknown device key '%s'", key);
@@ -336,6 +421,20 @@ static bool set_device_property(const struct parser *p, struct device *device, c
     }
     double parsed;
     if (!parse_key_value(p, (enum key)numeric, value, &parsed)) {
+        return false;
+    }
+    if (numeric == K_MIG_MODE && (parsed > 1 || (parsed == 0 && device->n_migs > 0))) {
+        report(p, "mig_mode is 0 or 1, and stays 1 once 'mig' lines have declared MIG devices");
+        return false;
+    }
+    if (numeric == K_NUMA_NODE && parsed > 2147483647.0) {
+        report(p, "numa_node '%s' does not fit in an int", value);
+        return false;
+    }
+    if (numeric == K_MAX_MIG_DEVICES &&
+        (parsed > FAKE_MAX_MIG_DEVICES || parsed < device->n_migs)) {
+        report(p, "max_mig_devices is at most %d and at least the MIG devices already declared "
+                  "(%u)", FAKE_MAX_MIG_DEVICES, device->n_migs);
         return false;
     }
     device->series[numeric].base = parsed;
@@ -509,13 +608,13 @@ static bool parse_fault_target(const struct parser *p, const char *text, struct 
 
 static bool directive_fault(struct parser *p, char **tokens, int count)
 {
-    struct device *device;
+    struct schedule *schedule;
     struct fault fault = {.field_id = FAKE_NO_FIELD};
     if (count != 6) {
-        report(p, "usage: fault DEVICE KIND FUNCTION|field:N|- START|- END|-");
+        report(p, "usage: fault DEVICE|PARENT:MIG KIND FUNCTION|field:N|- START|- END|-");
         return false;
     }
-    if (!parse_declared_device(p, tokens[1], &device)) {
+    if (!parse_target(p, tokens[1], &schedule)) {
         return false;
     }
     size_t kinds = sizeof FAULT_KINDS / sizeof FAULT_KINDS[0];
@@ -546,12 +645,12 @@ static bool directive_fault(struct parser *p, char **tokens, int count)
         report(p, "the fault window ends before it starts");
         return false;
     }
-    if (!grow((void **)&device->faults, &device->cap_faults, device->n_faults,
-              sizeof *device->faults)) {
+    if (!grow((void **)&schedule->faults, &schedule->cap_faults, schedule->n_faults,
+              sizeof *schedule->faults)) {
         report(p, "out of memory");
         return false;
     }
-    device->faults[device->n_faults++] = fault;
+    schedule->faults[schedule->n_faults++] = fault;
     return true;
 }
 
@@ -602,14 +701,14 @@ static bool directive_upgrade(struct parser *p, char **tokens, int count)
 
 static bool directive_process(struct parser *p, char **tokens, int count)
 {
-    struct device *device;
+    struct schedule *schedule;
     double pid, bytes;
     struct process process;
     if (count != 6) {
-        report(p, "usage: process DEVICE PID USED_BYTES START|- END|-");
+        report(p, "usage: process DEVICE|PARENT:MIG PID USED_BYTES START|- END|-");
         return false;
     }
-    if (!parse_declared_device(p, tokens[1], &device)) {
+    if (!parse_target(p, tokens[1], &schedule)) {
         return false;
     }
     if (!parse_number(tokens[2], &pid) || pid != floor(pid) || pid < 1 || pid > 4294967295.0) {
@@ -626,12 +725,77 @@ static bool directive_process(struct parser *p, char **tokens, int count)
     }
     process.pid = (unsigned int)pid;
     process.used_bytes = (unsigned long long)bytes;
-    if (!grow((void **)&device->processes, &device->cap_processes, device->n_processes,
-              sizeof *device->processes)) {
+    if (!grow((void **)&schedule->processes, &schedule->cap_processes, schedule->n_processes,
+              sizeof *schedule->processes)) {
         report(p, "out of memory");
         return false;
     }
-    device->processes[device->n_processes++] = process;
+    schedule->processes[schedule->n_processes++] = process;
+    return true;
+}
+
+static bool parse_instance_id(const struct parser *p, const char *what, const char *text,
+                              unsigned int *out)
+{
+    double id;
+    if (!parse_number(text, &id) || id != floor(id) || id >= NVML_VALUE_NOT_AVAILABLE_UINT) {
+        report(p, "bad %s '%s' (an integer below 0xFFFFFFFF)", what, text);
+        return false;
+    }
+    *out = (unsigned int)id;
+    return true;
+}
+
+static bool directive_mig(struct parser *p, char **tokens, int count)
+{
+    struct device *parent;
+    struct mig_device mig = {0};
+    double bytes;
+    if (count != 6) {
+        report(p, "usage: mig PARENT GI_ID CI_ID UUID MEMORY_TOTAL_BYTES");
+        return false;
+    }
+    if (!parse_declared_device(p, tokens[1], &parent) ||
+        !parse_instance_id(p, "GPU instance id", tokens[2], &mig.gpu_instance_id) ||
+        !parse_instance_id(p, "compute instance id", tokens[3], &mig.compute_instance_id) ||
+        !copy_string(p, "uuid", tokens[4], mig.uuid, sizeof mig.uuid)) {
+        return false;
+    }
+    if (strncmp(mig.uuid, "MIG-", 4) != 0) {
+        report(p, "a MIG device's uuid starts with 'MIG-', not '%s'", mig.uuid);
+        return false;
+    }
+    if (!parse_number(tokens[5], &bytes) || bytes != floor(bytes)) {
+        report(p, "bad memory total '%s' (bytes)", tokens[5]);
+        return false;
+    }
+    mig.memory_total_bytes = (unsigned long long)bytes;
+    if (parent->series[K_MIG_MODE].base != 1) {
+        report(p, "device %s is not in MIG mode (set mig_mode 1 on a device line before this one)",
+               tokens[1]);
+        return false;
+    }
+    if (parent->n_migs >= parent->series[K_MAX_MIG_DEVICES].base) {
+        report(p, "device %s already has max_mig_devices (%u) MIG devices", tokens[1],
+               parent->n_migs);
+        return false;
+    }
+    for (unsigned int d = 0; d < p->scenario->device_count; d++) {
+        const struct device *other = &p->scenario->devices[d];
+        for (unsigned int i = 0; i < other->n_migs; i++) {
+            if (strcmp(other->migs[i].uuid, mig.uuid) == 0) {
+                report(p, "MIG uuid %s is already MIG device %u:%u", mig.uuid, d, i);
+                return false;
+            }
+            if (other == parent && other->migs[i].gpu_instance_id == mig.gpu_instance_id &&
+                other->migs[i].compute_instance_id == mig.compute_instance_id) {
+                report(p, "device %u already has GPU instance %u, compute instance %u (MIG "
+                          "device %u:%u)", d, mig.gpu_instance_id, mig.compute_instance_id, d, i);
+                return false;
+            }
+        }
+    }
+    parent->migs[parent->n_migs++] = mig;
     return true;
 }
 
@@ -664,7 +828,11 @@ static bool parse_line(struct parser *p, char *line)
     if (strcmp(directive, "process") == 0) {
         return directive_process(p, tokens, count);
     }
-    report(p, "unknown directive '%s' (set, device, at, fault, xid, process, upgrade)", directive);
+    if (strcmp(directive, "mig") == 0) {
+        return directive_mig(p, tokens, count);
+    }
+    report(p, "unknown directive '%s' (set, device, at, fault, xid, process, upgrade, mig)",
+           directive);
     return false;
 }
 
@@ -723,9 +891,13 @@ void scenario_free(struct scenario *scenario)
         for (int key = 0; key < K_COUNT; key++) {
             free(device->series[key].steps);
         }
-        free(device->faults);
+        free(device->schedule.faults);
+        free(device->schedule.processes);
         free(device->xids);
-        free(device->processes);
+        for (unsigned int m = 0; m < device->n_migs; m++) {
+            free(device->migs[m].schedule.faults);
+            free(device->migs[m].schedule.processes);
+        }
     }
     free(scenario);
 }
@@ -743,6 +915,9 @@ double device_value(const struct device *device, enum key key, double t)
 {
     if (key == K_GRAPHICS_CLOCK_MHZ && !device->series[key].set) {
         key = K_SM_CLOCK_MHZ; /* one clock domain on data-centre parts */
+    }
+    if (key == K_POWER_AVERAGE_MW && !device->series[key].set) {
+        key = K_POWER_MW; /* a steady draw averages to itself */
     }
     return series_value(&device->series[key], t);
 }
@@ -790,11 +965,11 @@ double device_reason_seconds(const struct device *device, uint64_t mask, double 
     return series_integral(&device->series[K_REASONS], t, masked, mask);
 }
 
-nvmlReturn_t device_fault(const struct device *device, enum fn fn, double t)
+static nvmlReturn_t schedule_fault(const struct schedule *schedule, enum fn fn, double t)
 {
     nvmlReturn_t code = NVML_SUCCESS;
-    for (size_t i = 0; i < device->n_faults; i++) {
-        const struct fault *fault = &device->faults[i];
+    for (size_t i = 0; i < schedule->n_faults; i++) {
+        const struct fault *fault = &schedule->faults[i];
         if (t < fault->start || t >= fault->end) {
             continue;
         }
@@ -808,10 +983,32 @@ nvmlReturn_t device_fault(const struct device *device, enum fn fn, double t)
     return code;
 }
 
+nvmlReturn_t device_fault(const struct device *device, enum fn fn, double t)
+{
+    return schedule_fault(&device->schedule, fn, t);
+}
+
+nvmlReturn_t mig_fault(const struct device *parent, const struct mig_device *mig, enum fn fn,
+                       double t)
+{
+    for (size_t i = 0; i < parent->schedule.n_faults; i++) {
+        const struct fault *fault = &parent->schedule.faults[i];
+        if (fault->lost && t >= fault->start && t < fault->end) {
+            return NVML_ERROR_GPU_IS_LOST;
+        }
+    }
+    return schedule_fault(&mig->schedule, fn, t);
+}
+
+bool process_running(const struct process *process, double t)
+{
+    return t >= process->start && t < process->end;
+}
+
 nvmlReturn_t device_field_fault(const struct device *device, uint32_t field_id, double t)
 {
-    for (size_t i = 0; i < device->n_faults; i++) {
-        const struct fault *fault = &device->faults[i];
+    for (size_t i = 0; i < device->schedule.n_faults; i++) {
+        const struct fault *fault = &device->schedule.faults[i];
         if (fault->field_id == field_id && t >= fault->start && t < fault->end) {
             return fault->code;
         }

@@ -13,6 +13,13 @@
 #include "nvml_abi.h"
 
 #define FAKE_MAX_DEVICES 64
+/* MIG devices (compute instances) per parent at most; max_mig_devices may not exceed it. */
+#define FAKE_MAX_MIG_DEVICES 16
+/* CPUs that a cpu_affinity list may name: 0 .. FAKE_MAX_CPUS - 1, 64 to a word. */
+#define FAKE_MAX_CPUS 4096
+#define FAKE_CPU_WORDS (FAKE_MAX_CPUS / 64)
+/* A `fault` or `process` line that names a parent rather than one of its MIG devices. */
+#define FAKE_NO_MIG UINT32_MAX
 
 /* Every numeric key; the table in scenario.c gives each its name, kind and default. */
 enum key {
@@ -31,6 +38,7 @@ enum key {
     K_GRAPHICS_CLOCK_MHZ,
     K_VIDEO_CLOCK_MHZ,
     K_POWER_MW,
+    K_POWER_AVERAGE_MW,
     K_POWER_LIMIT_MW,
     K_GPU_TEMP_C,
     K_MEM_TEMP_C,
@@ -65,6 +73,9 @@ enum key {
     K_PCI_SUBSYSTEM_ID,
     K_SUPPORTED_REASONS,
     K_SUPPORTED_EVENT_TYPES,
+    K_MIG_MODE,
+    K_MAX_MIG_DEVICES,
+    K_NUMA_NODE,
     K_COUNT
 };
 
@@ -111,8 +122,19 @@ enum key {
     X(nvmlDeviceGetComputeRunningProcesses_v3)    \
     X(nvmlDeviceGetSupportedEventTypes)           \
     X(nvmlDeviceRegisterEvents)                   \
+    X(nvmlDeviceGetMigMode)                       \
+    X(nvmlDeviceGetMaxMigDeviceCount)             \
+    X(nvmlDeviceGetMigDeviceHandleByIndex)        \
+    X(nvmlDeviceIsMigDeviceHandle)                \
+    X(nvmlDeviceGetDeviceHandleFromMigDeviceHandle) \
+    X(nvmlDeviceGetGpuInstanceId)                 \
+    X(nvmlDeviceGetComputeInstanceId)             \
+    X(nvmlDeviceGetCpuAffinity)                   \
+    X(nvmlDeviceGetCpuAffinityWithinScope)        \
+    X(nvmlDeviceGetNumaNodeId)                    \
     X(nvmlGpmQueryDeviceSupport)                  \
     X(nvmlGpmSampleGet)                           \
+    X(nvmlGpmMigSampleGet)                        \
     X(nvmlGpmMetricsGet)
 
 enum fn {
@@ -157,6 +179,23 @@ struct process {
     double start, end;
 };
 
+/* What `fault` and `process` lines script for a parent or for one of its MIG devices. */
+struct schedule {
+    struct fault *faults;
+    size_t n_faults, cap_faults;
+    struct process *processes;
+    size_t n_processes, cap_processes;
+};
+
+/* A MIG device (a compute instance), declared by a `mig` line on a parent in MIG mode. */
+struct mig_device {
+    unsigned int gpu_instance_id;
+    unsigned int compute_instance_id;
+    char uuid[NVML_DEVICE_UUID_V2_BUFFER_SIZE];
+    unsigned long long memory_total_bytes;
+    struct schedule schedule;
+};
+
 struct device {
     char name[NVML_DEVICE_NAME_V2_BUFFER_SIZE];
     char uuid[NVML_DEVICE_UUID_V2_BUFFER_SIZE];
@@ -164,13 +203,14 @@ struct device {
     char vbios_version[NVML_DEVICE_VBIOS_VERSION_BUFFER_SIZE];
     char board_part_number[NVML_DEVICE_PART_NUMBER_BUFFER_SIZE];
     unsigned int pci_domain, pci_bus, pci_device, pci_function;
+    bool cpu_affinity_set; /* false: nvmlDeviceGetCpuAffinity answers NOT_SUPPORTED */
+    uint64_t cpu_affinity[FAKE_CPU_WORDS]; /* CPU i is bit i % 64 of word i / 64 */
     struct series series[K_COUNT];
-    struct fault *faults;
-    size_t n_faults, cap_faults;
+    struct schedule schedule;
     struct xid *xids; /* sorted by time, file order among equal times */
     size_t n_xids, cap_xids;
-    struct process *processes;
-    size_t n_processes, cap_processes;
+    struct mig_device migs[FAKE_MAX_MIG_DEVICES]; /* in file order: MIG index 0, 1, ... */
+    unsigned int n_migs;
 };
 
 struct scenario {
@@ -191,8 +231,8 @@ void scenario_free(struct scenario *scenario);
 
 const char *fn_name(enum fn fn);
 
-/* The value of a key at scenario time t (graphics_clock_mhz follows sm_clock_mhz while it is
- * never set). */
+/* The value of a key at scenario time t (graphics_clock_mhz follows sm_clock_mhz and
+ * power_average_mw follows power_mw while they are never set). */
 double device_value(const struct device *device, enum key key, double t);
 /* Integral of power_mw over [0, t] plus energy_mj: millijoules. */
 double device_energy_mj(const struct device *device, double t);
@@ -200,6 +240,11 @@ double device_energy_mj(const struct device *device, double t);
 double device_reason_seconds(const struct device *device, uint64_t mask, double t);
 /* The fault code in force for this call at t, or NVML_SUCCESS. */
 nvmlReturn_t device_fault(const struct device *device, enum fn fn, double t);
+/* The same for a call on a MIG device: its parent's `lost` faults, then its own faults. */
+nvmlReturn_t mig_fault(const struct device *parent, const struct mig_device *mig, enum fn fn,
+                       double t);
+/* Whether the process runs at t. */
+bool process_running(const struct process *process, double t);
 nvmlReturn_t device_field_fault(const struct device *device, uint32_t field_id, double t);
 
 #endif

@@ -1,0 +1,1 @@
+"""The `sustain` command line: one module per group of commands."""

@@ -1,0 +1,416 @@
+"""`sustain probe`: run probes once, here and now, and show the answer: peak, steady with its 99%
+interval, the sustained ratio, warm-up, classification, the cause of a slowdown, and the p10/p50
+of the throughput over one-second windows (what a run that never settles still delivered).
+
+It goes through the daemon's own path (ProbeScheduler.run_analysed): the same production-first
+checks (skipped when foreign compute processes are on the GPU or it is busy) and the same
+yielding (a run is stopped, ``preempted``, when foreign work arrives on its device; ``--force``
+overrides both), the same sampler loops feeding the attribution (NVML on GPUs, the host collector on
+the CPU, ~10 Hz while a run runs), the same analysis child. It needs no running agent. With
+``--record`` (or ``probing.record``) the runs are archived as the daemon's are, so ``sustain
+capacity`` and ``sustain drift`` have data at once. The output is a block of labelled lines per
+run that fits 80 columns; ``--json`` carries every figure under the keys docs/probe.md lists.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+import textwrap
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+
+from agent.archive.database import open_engine, upgrade
+from agent.archive.sink import ArchiveSink
+from agent.archive.spool import Spool
+from agent.archive.stack_snapshots import StackNotFound, find, last_stack
+from agent.config import names
+from agent.config.settings import Settings, redact_url
+from agent.probes.analysis import RunAnalysis
+from agent.probes.runner import CPU, Iteration, ProbeDevice, ProbeRun, ProbeRunner, ProbeSpec
+from agent.probes.scheduler import ProbeScheduler, TelemetryCapture, gpu_devices, plan_precisions
+from agent.stack.tracker import StackTracker
+from agent.telemetry.sampler import SamplerLoop
+from agent.telemetry.store import TelemetryStore
+from collectors.base import Collector
+from collectors.host import HostCollector
+from collectors.nvml.collector import NvmlCollector
+from collectors.nvml.library import NvmlLibrary
+from collectors.processes import ProcessCpuMeter
+
+PROBE_SPOOL = "probe-spool.db"  # beside the daemon's spool.db, never shared with it
+DRAIN_SECONDS = 30.0
+
+
+class ProbeUsageError(Exception):
+    """The request names a device or a workload that is not there."""
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    workloads: Sequence[str]
+    precisions: Sequence[str]
+    optimizations: Sequence[str]
+    duration: float | None
+    device: str | None
+    size: str | None
+    force: bool
+    record: bool = False
+
+
+def _collectors(settings: Settings, runner: ProbeRunner) -> list[Collector]:
+    collectors: list[Collector] = []
+    if settings.host.enabled:
+        collectors.append(HostCollector(settings.host.procfs, settings.host.sysfs))
+    if settings.nvml.enabled:
+        collectors.append(NvmlCollector(own_pids=runner.child_pids))
+    return collectors
+
+
+def _devices(store: TelemetryStore, wanted: str | None) -> list[ProbeDevice]:
+    gpus = gpu_devices(store)
+    if wanted is None:
+        return gpus or [CPU]
+    if wanted == "cpu":
+        return [CPU]
+    # A GPU's index names all its MIG devices; a UUID names one.
+    chosen = [gpu for gpu in gpus if wanted in (gpu.label, gpu.key)]
+    if chosen:
+        return chosen
+    known = ", ".join(["cpu", *dict.fromkeys(gpu.label for gpu in gpus)])
+    raise ProbeUsageError(f"no device {wanted!r} here (devices: {known})")
+
+
+def _specs(
+    settings: Settings, request: Request, devices: list[ProbeDevice], runner: ProbeRunner
+) -> list[ProbeSpec]:
+    plan = {entry.workload: entry for entry in settings.probing.plan}
+    workloads = list(request.workloads) or list(plan)
+    specs = []
+    for device in devices:
+        for workload in workloads:
+            entry = plan.get(workload)
+            precisions = list(request.precisions) or (
+                plan_precisions(settings.probing, entry, runner, device) if entry else ["fp32"]
+            )
+            optimizations = list(request.optimizations) or (
+                list(entry.optimizations) if entry else ["eager"]
+            )
+            duration = request.duration or (entry.duration_seconds if entry else 20.0)
+            for precision in precisions:
+                for optimization in optimizations:
+                    if not names.declares(workload, precision, optimization):
+                        continue  # asked for another workload: `membw` has no bf16
+                    specs.append(
+                        ProbeSpec(workload, precision, optimization, duration, device, request.size)
+                    )
+    return specs
+
+
+def ratios_to_best(runs: Sequence[ProbeRun]) -> dict[str, float]:
+    """Each ok run's throughput against the best precision of the same workload, optimization,
+    device and unit: a slow fallback path (fp16 on a CPU) shows as a small ratio."""
+    best: dict[tuple[str, str, str, str], float] = {}
+    for run in runs:
+        if run.outcome == "ok" and run.throughput:
+            key = _group(run)
+            best[key] = max(best.get(key, 0.0), run.throughput)
+    return {
+        run.id: run.throughput / best[_group(run)]
+        for run in runs
+        if run.outcome == "ok" and run.throughput and best.get(_group(run))
+    }
+
+
+def _group(run: ProbeRun) -> tuple[str, str, str, str]:
+    unit = str((run.manifest or {}).get("unit", ""))
+    return run.spec.workload, run.spec.optimization, run.spec.device.key, unit
+
+
+def figures_json(analysis: RunAnalysis | None) -> dict[str, Any]:
+    """The analysis under the keys docs/probe.md documents (``None`` where not stated)."""
+    figures = {} if analysis is None else analysis.figures
+    attribution = None if analysis is None else analysis.attribution
+    ci = figures.get("steady_ci")
+    return {
+        "classification": figures.get("classification"),
+        "classification_reason": figures.get("reason"),
+        "peak": figures.get("peak_throughput"),
+        "steady": figures.get("steady_throughput"),
+        "steady_ci99": None if ci is None else list(ci),
+        "sustained_ratio": figures.get("sustained_ratio"),
+        "warmup_seconds": figures.get("warmup_seconds"),
+        "p10": figures.get("p10_throughput"),
+        "p50": figures.get("p50_throughput"),
+        "window_seconds": figures.get("window_seconds"),
+        "cause": None if attribution is None else attribution.cause,
+        "cause_reason": None if attribution is None else attribution.reason,
+        "work_per_joule": None if attribution is None else attribution.work_per_joule,
+        "phase": figures.get("phase"),
+    }
+
+
+def run_json(run: ProbeRun, analysis: RunAnalysis | None, ratio: float | None) -> dict[str, Any]:
+    return {
+        "id": run.id,
+        "workload": run.spec.workload,
+        "precision": run.spec.precision,
+        "optimization": run.spec.optimization,
+        "device": run.spec.device.label,
+        "uuid": run.spec.device.key if run.spec.device.kind == "cuda" else None,
+        "outcome": run.outcome,
+        "reason": run.reason,
+        "started_at": run.started_at,
+        "ended_at": run.ended_at,
+        "iterations": len(run.iterations),
+        "throughput": run.throughput,
+        "unit": (run.manifest or {}).get("unit"),
+        "ratio_to_best": ratio,
+        **figures_json(analysis),
+        "analysis": None if analysis is None else analysis.as_dict(),
+        "manifest": run.manifest,
+        "result": run.result,
+        "exit_code": run.exit_code,
+        # pid, name, where, seen_at
+        "preempted_by": None if run.preempted_by is None else asdict(run.preempted_by),
+    }
+
+
+def _human(value: float | None, unit: str) -> str:
+    if value is None:
+        return "-"
+    for factor, prefix in ((1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(value) >= factor:
+            return f"{value / factor:.3g} {prefix}{unit}"
+    return f"{value:.3g} {unit}"
+
+
+class _ProgressFeed:
+    """Moves one probe's bar as its iterations arrive (called from the runner's reader thread;
+    rich's Progress is thread-safe)."""
+
+    def __init__(self, progress: Progress, spec: ProbeSpec) -> None:
+        self._progress = progress
+        self._duration = spec.duration_seconds
+        self._first: float | None = None
+        self.task = progress.add_task(spec.name, total=spec.duration_seconds, status="starting")
+
+    def __call__(self, iteration: Iteration) -> None:
+        if self._first is None:
+            self._first = iteration.start
+        self._progress.update(
+            self.task,
+            completed=min(self._duration, iteration.end - self._first),
+            status=f"{iteration.index + 1} iterations",
+        )
+
+
+class _Recorder:
+    """``--record``: the daemon's archive path (a spool drained into the database, the stack
+    each run ran on), with a spool file of its own so that a running daemon's is never shared."""
+
+    def __init__(self, settings: Settings, nvml: NvmlLibrary | None, python: str) -> None:
+        engine = open_engine(settings.database_url)
+        upgrade(engine)
+        node = settings.agent.node
+        previous = last_stack(engine, node)
+        try:
+            stored = find(engine, previous) if previous is not None else None
+        except StackNotFound:
+            stored = None
+        spool = Spool(settings.agent.data_dir.absolute() / PROBE_SPOOL)
+        self.sink = ArchiveSink(engine, node, spool)
+        self.sink.drain()  # what an earlier `sustain probe --record` could not write
+        self.stacks = StackTracker(
+            self.sink,
+            nvml=nvml,
+            python=python,
+            previous=None if stored is None else (stored.stack_id, stored.facts),
+            container_image=settings.stack.container_image,
+        )
+        self._engine = engine
+
+    def close(self) -> str | None:
+        """Write what is spooled; the problem in one line when some of it could not be."""
+        drained = self.sink.drain(deadline=time.monotonic() + DRAIN_SECONDS)
+        self.sink.spool.close()
+        self._engine.dispose()
+        if drained:
+            return None
+        return (
+            f"some results are not archived yet (the database did not take them): they wait in "
+            f"{self.sink.spool.path} for the next `sustain probe --record`"
+        )
+
+
+def run_probes(settings: Settings, request: Request, as_json: bool) -> int:
+    runner = ProbeRunner(
+        python=settings.probing.python,
+        startup_timeout_seconds=settings.probing.startup_timeout_seconds,
+    )
+    store = TelemetryStore(settings.sampler.buffer_samples)
+    capture = TelemetryCapture()
+    collectors = _collectors(settings, runner)
+    loops = [
+        SamplerLoop(
+            collector,
+            settings.sampler.interval_seconds,
+            sinks=(store.record, capture.record),
+            stall_seconds=settings.sampler.stall_seconds,
+        )
+        for collector in collectors
+    ]
+    for loop in loops:
+        loop.poll_once()  # enough to find the devices and any foreign work on them
+    specs = _specs(settings, request, _devices(store, request.device), runner)
+    nvml = next((c for c in collectors if isinstance(c, NvmlCollector)), None)
+    recorder = (
+        _Recorder(settings, None if nvml is None else nvml.library, runner.python)
+        if request.record
+        else None
+    )
+    scheduler = ProbeScheduler(
+        settings.probing,
+        runner,
+        store,
+        capture,
+        loops,
+        settings.sampler.interval_seconds,
+        writer=None if recorder is None else recorder.sink,
+        stacks=None if recorder is None else recorder.stacks,
+        processes=ProcessCpuMeter(settings.host.procfs),
+    )
+    for loop in loops:
+        loop.start()  # telemetry through the runs, at ~10 Hz while one runs: the attribution's
+    results: list[tuple[ProbeRun, RunAnalysis | None]] = []
+    try:
+        with Progress(
+            TextColumn("{task.description}"),
+            BarColumn(bar_width=20),
+            TextColumn("{task.fields[status]}"),
+            TimeRemainingColumn(),
+            console=Console(stderr=True),
+            transient=True,
+        ) as progress:
+            for spec in specs:
+                feed = _ProgressFeed(progress, spec)
+                run, analysis = scheduler.run_analysed(spec, request.force, on_iteration=feed)
+                progress.update(feed.task, completed=spec.duration_seconds, status=run.outcome)
+                results.append((run, analysis))
+    finally:
+        for loop in loops:
+            loop.request_stop()
+        for loop in loops:
+            loop.join(5.0)
+        for collector in collectors:
+            collector.close()
+    problem = None if recorder is None else recorder.close()
+    ratios = ratios_to_best([run for run, _ in results])
+    if as_json:
+        document = {
+            "runs": [run_json(run, analysis, ratios.get(run.id)) for run, analysis in results],
+            "recorded": request.record and problem is None,
+        }
+        json.dump(document, sys.stdout, indent=2, allow_nan=False)
+        sys.stdout.write("\n")
+    else:
+        width = max(60, min(shutil.get_terminal_size((80, 24)).columns, 100))
+        print(
+            "\n\n".join(
+                render_run(run, analysis, ratios.get(run.id), width) for run, analysis in results
+            )
+        )
+        if request.record and problem is None:
+            print(f"\narchived {len(results)} run(s) in {redact_url(settings.database_url)}")
+    if problem is not None:
+        print(f"sustain probe: {problem}", file=sys.stderr)
+        return 1
+    return 0 if all(run.outcome in ("ok", "unsupported", "skipped") for run, _ in results) else 1
+
+
+LABEL_WIDTH = 12
+
+
+def render_run(
+    run: ProbeRun, analysis: RunAnalysis | None, ratio: float | None, width: int = 80
+) -> str:
+    """One run as a block of labelled lines that fits ``width`` columns."""
+    spec = run.spec
+    unit = str((run.manifest or {}).get("unit", ""))
+    head = f"{spec.workload} {spec.precision} {spec.optimization} on {spec.device.title}: "
+    head += run.outcome
+    if run.iterations:
+        seconds = run.iterations[-1].end - run.iterations[0].start
+        head += f", {len(run.iterations)} iterations in {seconds:.1f} s"
+    lines: list[tuple[str | None, str]] = [(None, head)]
+    if run.reason:
+        lines.append(("reason", run.reason))
+    if analysis is not None:
+        lines += _figure_lines(figures_json(analysis), unit)
+    elif run.outcome == "ok":
+        lines.append(("throughput", f"{_human(run.throughput, unit)} (mean; not analysed)"))
+    elif run.outcome == "preempted":
+        kept = f"{len(run.iterations)} iterations kept for inspection; no figures from a run"
+        lines.append(("series", f"{kept} that yielded to production"))
+    if ratio is not None and ratio < 1.0:
+        lines.append(("vs best", f"{ratio:.3g} of the best precision of this workload here"))
+    out: list[str] = []
+    for label, text in lines:
+        if label is None:
+            out += textwrap.wrap(text, width, subsequent_indent="    ") or [""]
+            continue
+        prefix = f"  {label:<{LABEL_WIDTH}}"
+        out += textwrap.wrap(
+            text, width, initial_indent=prefix, subsequent_indent=" " * len(prefix)
+        )
+    return "\n".join(out)
+
+
+def _figure_lines(figures: dict[str, Any], unit: str) -> list[tuple[str | None, str]]:
+    lines: list[tuple[str | None, str]] = [("peak", _human(figures["peak"], unit))]
+    steady = figures["steady"]
+    if steady is not None:
+        text = _human(steady, unit)
+        if figures["steady_ci99"] is not None:
+            low, high = figures["steady_ci99"]
+            text += f" (99% interval {_human(low, unit)} to {_human(high, unit)})"
+        lines.append(("steady", text))
+    elif figures["classification"] == "insufficient":
+        lines.append(("steady", "not decided: too few iterations (p10 is what it delivered)"))
+    else:
+        lines.append(("steady", "none: no steady state in this run (p10 is what it delivered)"))
+    if figures["sustained_ratio"] is not None:
+        lines.append(("sustained", f"{figures['sustained_ratio']:.3f} of peak (steady / peak)"))
+    else:
+        lines.append(("sustained", "not stated without a steady state"))
+    if figures["warmup_seconds"] is not None:
+        text = f"{figures['warmup_seconds']:.1f} s before the steady state"
+        if figures["classification"] == "slowdown":
+            text += " (faster before it: a slowdown)"
+        lines.append(("warm-up", text))
+    else:
+        lines.append(("warm-up", "not stated without a steady state"))
+    if figures["p10"] is not None:
+        window = figures["window_seconds"] or 1.0
+        lines.append(
+            (
+                "windows",
+                f"p10 {_human(figures['p10'], unit)}, p50 {_human(figures['p50'], unit)} "
+                f"over {window:g}-second windows",
+            )
+        )
+    classification = str(figures["classification"])
+    if figures["classification_reason"]:
+        classification += f": {figures['classification_reason']}"
+    lines.append(("class", classification))
+    cause = figures["cause"] or "none"
+    if figures["cause_reason"]:
+        cause += f" ({figures['cause_reason']})"
+    lines.append(("cause", cause))
+    return lines

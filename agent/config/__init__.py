@@ -1,0 +1,1 @@
+"""Configuration: the settings model and its sources, and the exporter's web config."""

@@ -1,0 +1,104 @@
+"""Database URLs: read by their structure, shown with every secret hidden.
+
+A URL carries secrets in two places: the password of its user information
+(``postgresql+psycopg://user:PASSWORD@host/db``) and query parameters named like one
+(``?password=...``, ``?sslpassword=...``, ``?token=...``). ``redact`` hides both by where they sit
+in the parsed URL; ``scrub`` hides their values where a driver's error message repeats them, as
+whole tokens only, so that a password "p" never turns ``database "nope"`` into ``no***e``.
+
+An ``@`` left unencoded in the user name or password makes the URL ambiguous (SQLAlchemy ends
+the password at the first ``@`` and takes the rest for the host, which would then be shown as is):
+such a URL is refused with a hint to write ``%40``, and never echoed.
+"""
+
+from __future__ import annotations
+
+import re
+from urllib.parse import quote, quote_plus
+
+from sqlalchemy.engine import URL, make_url
+from sqlalchemy.exc import ArgumentError
+
+HIDDEN = "***"
+# A query parameter whose name holds one of these (any case) is a secret: password, sslpassword,
+# passwd, pwd, client_secret, access_token...
+SECRET_PARAMETER_WORDS = ("password", "passwd", "pwd", "secret", "token")
+
+# SQLAlchemy's own split of name://user:password@host:port (sqlalchemy.engine.url._parse_url):
+# the password stops at the first "@", so a second "@" lands in the user name, host or port.
+_BEFORE_PATH = re.compile(
+    r"[\w+]+://(?:(?P<user>[^:/]*)(?::[^@]*)?@)?(?P<host_port>(?:\[[^/?]+\]|[^/:?]+)?(?::[^/?]*)?)"
+)
+
+
+class DatabaseUrlError(ValueError):
+    """A database URL that cannot be used. The message is one line and never holds the URL."""
+
+
+def parse(text: str) -> URL:
+    """The URL's parts; DatabaseUrlError for a malformed or ambiguous URL."""
+    split = _BEFORE_PATH.match(text)
+    if split is not None and "@" in (split["user"] or "") + split["host_port"]:
+        raise DatabaseUrlError(
+            "ambiguous database URL: more than one '@' before the host; "
+            "percent-encode an '@' in the user name or password as %40"
+        )
+    try:
+        return make_url(text)
+    except (ArgumentError, ValueError):  # ValueError: a port that is not a number
+        raise DatabaseUrlError("malformed database URL (expected dialect[+driver]://...)") from None
+
+
+def _is_secret_parameter(name: str) -> bool:
+    lowered = name.lower()
+    return any(word in lowered for word in SECRET_PARAMETER_WORDS)
+
+
+def _values(value: str | tuple[str, ...]) -> tuple[str, ...]:
+    return (value,) if isinstance(value, str) else value
+
+
+def redact(url: URL) -> str:
+    """The URL as it may appear in a log line, an error message or `config show`."""
+    shown = url.set(query={}).render_as_string(hide_password=True)
+    parameters = [
+        f"{quote_plus(name)}={HIDDEN if _is_secret_parameter(name) else quote_plus(value)}"
+        for name in sorted(url.query)
+        for value in _values(url.query[name])
+    ]
+    return f"{shown}?{'&'.join(parameters)}" if parameters else shown
+
+
+def redact_text(text: str) -> str | None:
+    """``redact`` of a URL not parsed yet; None where it cannot be parsed (nothing safe to show)."""
+    try:
+        return redact(parse(text))
+    except DatabaseUrlError:
+        return None
+
+
+def secrets(url: URL) -> list[str]:
+    """The secret values the URL holds: its password and those of password-like parameters."""
+    found = [url.password] if url.password else []
+    for name, value in url.query.items():
+        if _is_secret_parameter(name):
+            found.extend(v for v in _values(value) if v)
+    return found
+
+
+def scrub(text: str, url: URL) -> str:
+    """``text`` with every secret of ``url`` replaced by ``***`` where it stands as a whole token:
+    as given, percent-encoded, or escaped for a libpq connection string."""
+    forms = {
+        form
+        for secret in secrets(url)
+        for form in (
+            secret,
+            quote(secret, safe=""),
+            quote_plus(secret),
+            secret.replace("\\", "\\\\").replace("'", "\\'"),
+        )
+    }
+    for form in sorted(forms, key=len, reverse=True):
+        text = re.sub(rf"(?<!\w){re.escape(form)}(?!\w)", HIDDEN, text)
+    return text

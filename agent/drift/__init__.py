@@ -1,0 +1,1 @@
+"""Lasting changes across probe results: the daemon's job and the detection child."""

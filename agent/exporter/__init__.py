@@ -1,0 +1,1 @@
+"""The Prometheus side: metric families built per scrape, and the HTTP server."""

@@ -1,0 +1,1 @@
+"""Probe runs: scheduling, running a child, the analysis hand-off and attribution."""

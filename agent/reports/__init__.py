@@ -1,0 +1,1 @@
+"""Read-side reports over the archive for planners: capacity and published peaks."""

@@ -1,0 +1,1 @@
+"""The software stack results are measured on, tracked over the agent's life."""

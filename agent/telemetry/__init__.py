@@ -1,0 +1,1 @@
+"""Live telemetry: the sampler loops, the in-memory store, the minute rollups."""

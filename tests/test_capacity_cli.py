@@ -1,0 +1,171 @@
+"""``sustain capacity`` as a user runs it: a real process on a SQLite archive, its output piped
+(no terminal) or at COLUMNS=80, and what it says when nothing matches."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+from sqlalchemy import insert
+from test_capacity import probe_run
+
+from agent.archive.database import open_engine, upgrade
+from agent.archive.models import ProbeRunRecord
+
+ENDED = datetime.now(UTC) - timedelta(days=2)
+HEADER = ["MODEL", "SIZE", "MEDIAN", "P10", "SPEC", "RESULTS", "DEVICES"]
+
+
+def result(**values: Any) -> dict[str, Any]:
+    """An analysed ok run (test_capacity's), ended two days ago."""
+    return probe_run(started_at=ENDED - timedelta(seconds=12), **values)
+
+
+@pytest.fixture
+def archive(tmp_path: Path) -> str:
+    """The URL of a migrated SQLite archive with no results (tests add theirs)."""
+    url = f"sqlite:///{tmp_path / 'archive.db'}"
+    engine = open_engine(url)
+    upgrade(engine)
+    engine.dispose()
+    return url
+
+
+def add(url: str, *rows: dict[str, Any]) -> None:
+    engine = open_engine(url)
+    try:
+        with engine.begin() as connection:
+            connection.execute(insert(ProbeRunRecord), list(rows))
+    finally:
+        engine.dispose()
+
+
+def capacity(url: str, *args: str, columns: str | None = None) -> subprocess.CompletedProcess[str]:
+    """``python -m agent capacity``, stdout and stderr piped: no terminal, as in a script."""
+    env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
+    if columns is not None:
+        env["COLUMNS"] = columns
+    return subprocess.run(
+        [sys.executable, "-m", "agent", "capacity", "--database", url, *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+        check=False,
+    )
+
+
+def fleet() -> list[dict[str, Any]]:
+    """Two models, two precisions and a membw probe, default and small sizes, a CPU."""
+    rows = []
+    for index in range(4):
+        rows += [
+            result(device=f"GPU-{index}", steady_throughput=7.1e14 + index * 1e12),
+            result(device=f"GPU-{index}", precision="fp32", steady_throughput=5.2e13),
+            result(
+                device=f"GPU-{index}",
+                workload="membw",
+                precision="fp32",
+                unit="B/s",
+                steady_throughput=2.9e12,
+            ),
+            result(
+                node="node-b",
+                device=f"GPU-{index}",
+                device_model="NVIDIA A100-SXM4-80GB",
+                steady_throughput=2.4e14,
+            ),
+        ]
+    rows.append(result(device="GPU-0", size="small", steady_throughput=2.1e14))
+    rows.append(
+        result(
+            device="host", device_model="AMD EPYC 7763", precision="fp32", steady_throughput=1e12
+        )
+    )
+    return rows
+
+
+@pytest.mark.parametrize("columns", [None, "80"], ids=["piped", "COLUMNS=80"])
+def test_the_table_fits_80_columns_uncut(archive: str, columns: str | None) -> None:
+    add(archive, *fleet())
+    done = capacity(archive, columns=columns)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert max(len(line) for line in lines) <= 80, done.stdout
+    assert "…" not in done.stdout
+    headers = [line.split() for line in lines if line.startswith("MODEL")]
+    assert headers == [HEADER] * 3  # a section each: matmul bf16, matmul fp32, membw fp32
+    assert "matmul bf16 eager (FLOP/s)" in lines
+    assert "membw fp32 eager (B/s)" in lines
+    rows = [line for line in lines if line.startswith(("NVIDIA", "AMD"))]
+    assert len(rows) == 6
+    # The model names and the figures whole; the small size flagged on its own line.
+    assert re.search(
+        r"^NVIDIA H100 80GB HBM3 +default +711\.5 T +710\.3 T +71\.9% +4 +4$", done.stdout, re.M
+    )
+    assert re.search(
+        r"^NVIDIA H100 80GB HBM3 +small +210\.0 T +210\.0 T +21\.2% +1 +1$", done.stdout, re.M
+    )
+    assert re.search(r"^AMD EPYC 7763 +default +1\.000 T +1\.000 T +- +1 +1$", done.stdout, re.M)
+
+
+def test_a_name_too_long_for_its_column_gets_a_line_of_its_own(archive: str) -> None:
+    name = "Intel(R) Xeon(R) Platinum 8480+ Sapphire Rapids"
+    add(archive, result(device="host", device_model=name, precision="fp32", steady_throughput=2e12))
+    done = capacity(archive)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert max(len(line) for line in lines) <= 80, done.stdout
+    assert lines[1].split() == HEADER
+    assert lines[2] == name
+    assert lines[3].split() == ["default", "2.000", "T", "2.000", "T", "-", "1", "1"]
+    # A terminal wide enough keeps the row on one line.
+    wide = capacity(archive, columns="120")
+    assert wide.stdout.splitlines()[2].startswith(name + "  default")
+
+
+def test_an_empty_archive_says_so(archive: str) -> None:
+    done = capacity(archive)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("the archive has no results yet")
+    # A filter on an empty archive: the archive is still what is empty.
+    done = capacity(archive, "--precision", "bf17")
+    assert done.stdout.startswith("the archive has no results yet")
+
+
+def test_a_filter_that_matches_nothing_names_the_known_values(archive: str) -> None:
+    add(archive, *fleet())
+    done = capacity(archive, "--precision", "bf17")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == "no result matches --precision bf17 (known: bf16, fp32)\n"
+    done = capacity(archive, "--workload", "matmull", "--size", "large")
+    assert done.stdout == (
+        "no result matches --workload matmull (known: matmul, membw); "
+        "--size large (known: default, small)\n"
+    )
+    # Known values that match nothing together.
+    done = capacity(archive, "--workload", "membw", "--precision", "bf16")
+    assert done.stdout == "no result matches --precision bf16 --workload membw together\n"
+    done = capacity(archive, "--since", "1d")
+    assert done.stdout.startswith("no result since ")
+    assert "(--since 1d): the newest ended " in done.stdout
+
+
+def test_help_documents_every_column(archive: str) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "agent", "capacity", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    for column in [*HEADER, "NODE", "STACK", "--size"]:
+        assert column in done.stdout, column
+    assert "10th percentile" in done.stdout
+    assert "spec_ratio" in done.stdout
