@@ -172,6 +172,7 @@ def test_database_outage_loses_and_doubles_nothing(
          "--listen", f"127.0.0.1:{port}", "--data-dir", str(tmp_path)],
         stdout=subprocess.DEVNULL, stderr=log, env=env,
     )  # fmt: skip
+    started = time.monotonic()
     metrics = f"http://127.0.0.1:{port}/metrics"
 
     def scrape() -> str:
@@ -193,6 +194,9 @@ def test_database_outage_loses_and_doubles_nothing(
 
     try:
         wait("two probe runs", lambda body: probe_runs_total(body) >= 2, 120)
+        # The first rollup period is partial and dropped by design: let one whole period close
+        # before the outage, so the period the outage began in is one the agent rolls up.
+        time.sleep(max(0.0, 2.5 * 10 - (time.monotonic() - started)))
         private_postgres.stop()
         outage_began = datetime.now(UTC)
         down = time.monotonic()
