@@ -7,6 +7,7 @@ only identical devices are comparable; a device is an outlier against its identi
 from __future__ import annotations
 
 from panels import (
+    SOLO,
     Board,
     Json,
     Q,
@@ -141,7 +142,7 @@ def _agents(board: Board) -> None:
 
 def _capacity(board: Board) -> None:
     board.row("Capacity: sustained throughput per GPU model")
-    steady = f'sustain_probe_throughput{{{JOB_PROBE}, stat="steady"}} * {WITH_MODEL}'
+    steady = f'sustain_probe_throughput{{{JOB_PROBE}, {SOLO}, stat="steady"}} * {WITH_MODEL}'
     capacity = "name, workload, precision, optimization, unit"
     board.add(
         table(

@@ -7,6 +7,7 @@ the throughput the probes achieved, because a GPU at 100 % utilization can still
 from __future__ import annotations
 
 from panels import (
+    SOLO,
     Board,
     Json,
     Q,
@@ -51,7 +52,8 @@ def node() -> Json:
         "sustain-node",
         "sustain / Node",
         "One node: GPU clocks, power and temperature against their limits, clock-event reasons, "
-        "utilization beside achieved probe throughput, memory, PCIe, errors, and the host.",
+        "utilization beside achieved probe throughput, what the node sustains with every GPU "
+        "at work, memory, PCIe, errors, and the host.",
         [
             datasource_variable(),
             query_variable(
@@ -72,6 +74,7 @@ def node() -> Json:
     _clocks(board)
     _power_and_temperature(board)
     _utilization(board)
+    _node_wide(board)
     _memory_and_pcie(board)
     _errors_and_health(board)
     _host(board)
@@ -327,15 +330,15 @@ def _utilization(board: Board) -> None:
     board.add(
         timeseries(
             "Achieved probe throughput (steady state)",
-            "What the GPU achieved in its latest probe runs: the mean of each run's steady "
+            "What the GPU achieved in its latest solo probe runs: the mean of each run's steady "
             "state, per workload and precision, in the probe's unit (FLOP/s, B/s, tokens/s). A "
             "run with no steady state shows its p10 over one-second windows instead, marked "
             "'p10' in the legend (steady ones say 'steady').",
             [
                 Q(
-                    f'sustain_probe_throughput{{{GPU}, stat="steady"}} or '
-                    f'(sustain_probe_throughput{{{GPU}, stat="p10"}} unless ignoring(stat) '
-                    f'sustain_probe_throughput{{{GPU}, stat="steady"}})',
+                    f'sustain_probe_throughput{{{GPU}, {SOLO}, stat="steady"}} or '
+                    f'(sustain_probe_throughput{{{GPU}, {SOLO}, stat="p10"}} unless ignoring(stat) '
+                    f'sustain_probe_throughput{{{GPU}, {SOLO}, stat="steady"}})',
                     "GPU {{device}} {{workload}} {{precision}} {{optimization}} {{stat}} "
                     "({{unit}})",
                 ),
@@ -348,6 +351,103 @@ def _utilization(board: Board) -> None:
         9,
     )
     board.add(text("Utilization is not performance", UTILIZATION_NOTE), 6, 9)
+
+
+def _node_wide(board: Board) -> None:
+    board.row("Node-wide probes: every GPU at once")
+    node_wide = f'{HOST}, scope="node", stat="steady"'
+    probe = "workload, precision, optimization"
+    # The solo results of the devices that took part in the node-wide run (each has a node-wide
+    # series of its own), so that a device left out of it, or a CPU probe, is not in the sum.
+    solo_sum = (
+        f"sum by (instance, {probe}, unit) ("
+        f'sustain_probe_throughput{{{HOST}, {SOLO}, stat="steady"}}'
+        f" and on (instance, device, {probe}, unit) "
+        f'sustain_probe_throughput{{{node_wide}, device!="node"}})'
+    )
+    board.add(
+        timeseries(
+            "Node-wide throughput against the sum of solo results",
+            "Steady throughput of the latest node-wide run (every GPU of the node running the "
+            "probe at once, summed on a common time grid) and, dashed, the sum of the same "
+            "GPUs' latest solo steady throughput. The gap is what the GPUs lose to each other: "
+            "shared power budget, airflow, PCIe, host memory and CPUs.",
+            [
+                Q(
+                    f'sustain_probe_throughput{{{node_wide}, device="node"}}',
+                    "node-wide {{workload}} {{precision}} {{optimization}} ({{unit}})",
+                ),
+                Q(solo_sum, "sum of solo {{workload}} {{precision}} {{optimization}} ({{unit}})"),
+            ],
+            unit="short",
+            minimum=0,
+            steps_after=True,
+            points=True,
+            overrides=[by_ref("B", ("custom.lineStyle", {"dash": [10, 10], "fill": "dash"}))],
+        ),
+        12,
+        8,
+    )
+    coupled = 'instance=~"$instance", device=~"$device|node"'
+    ratio = f"sustain_probe_node_coupling_ratio{{{coupled}}}"
+    board.add(
+        timeseries(
+            "Coupling ratio over time",
+            "Each GPU's node-wide steady throughput over its latest solo one (same workload, "
+            "precision and size), and the node's (device node: the node-wide sum over the sum "
+            "of the solo results). 1: no loss when every GPU works at once.",
+            [Q(ratio, "GPU {{device}} {{workload}} {{precision}} {{optimization}}")],
+            unit="percentunit",
+            minimum=0,
+            steps_after=True,
+            points=True,
+        ),
+        12,
+        8,
+    )
+    by = f"instance, device, {probe}"
+    board.add(
+        table(
+            "Coupling ratio and cause, latest node-wide run",
+            "Coupling ratio of each GPU and of the node (device node); below 95 % the cause the "
+            "run's telemetry shows: thermal, power_brake, power_cap, clock_unexplained, or "
+            "host_contention (the clocks held and throughput fell: shared CPUs, host memory, "
+            "PCIe). Low runs: node-wide runs in a row below probing.coupling_threshold (0.85 "
+            "by default); SustainProbeNodeCouplingLow fires at 3.",
+            [
+                Q(
+                    f"max by ({by}, cause) ("
+                    f"sustain_probe_node_coupling_cause{{{coupled}}}"
+                    f" * on (instance, device, uuid, {probe}) group_left {ratio})"
+                    f" or on ({by}) max by ({by}) ({ratio})"
+                ),
+                Q(f"max by ({by}) (sustain_probe_node_coupling_low_runs{{{coupled}}})"),
+            ],
+            columns={
+                "device": "GPU",
+                "workload": "Workload",
+                "precision": "Precision",
+                "optimization": "Optimization",
+                "Value #A": "Coupling ratio",
+                "cause": "Cause",
+                "Value #B": "Low runs",
+            },
+            overrides=[
+                by_name(
+                    "Coupling ratio",
+                    ("unit", "percentunit"),
+                    ("decimals", 1),
+                    ("custom.cellOptions", {"type": "color-text"}),
+                    ("thresholds", thresholds((None, "red"), (0.85, "orange"), (0.95, "green"))),
+                ),
+                by_name("Low runs", ("decimals", 0)),
+            ],
+            sort_by="Coupling ratio",
+            descending=False,
+        ),
+        24,
+        7,
+    )
 
 
 def _memory_and_pcie(board: Board) -> None:

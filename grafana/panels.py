@@ -593,7 +593,19 @@ class Board:
 
 # --- probe series (sustain / Probes, sustain / Stack and drift) ----------------------------
 
+# sustain_probe_throughput holds solo runs (scope="device") and node-wide runs (scope="node": each
+# device while every device of the node worked, and device="node" for their sum). A panel of solo
+# results selects SOLO, or node-wide figures land on the same device and probe and mix in.
+SOLO = 'scope="device"'
 PROBE_LABELS = "instance, device, workload, precision, optimization"
+# Table columns (label -> header) of the PROBE_LABELS, in that order.
+PROBE_COLUMNS = {
+    "instance": "Node",
+    "device": "Device",
+    "workload": "Workload",
+    "precision": "Precision",
+    "optimization": "Optimization",
+}
 PROBE = 'instance=~"$instance", device=~"$device", workload=~"$workload", precision=~"$precision"'
 PROBE_LEGEND = "{{instance}} {{device}} {{workload}} {{precision}} {{optimization}}"
 

@@ -10,8 +10,10 @@ from collections.abc import Sequence
 
 from panels import (
     PROBE,
+    PROBE_COLUMNS,
     PROBE_LABELS,
     PROBE_LEGEND,
+    SOLO,
     Board,
     Json,
     Q,
@@ -51,6 +53,7 @@ OUTCOME_COLORS = {
     "unsupported": "text",
     "skipped": "blue",
     "aborted": "purple",
+    "preempted": "yellow",
 }
 
 
@@ -60,7 +63,7 @@ def probes() -> Json:
         "sustain / Probes",
         "Probe results: sustained against peak per workload and precision, warm-up, the "
         "classification of each run and the cause of a slowdown, work per joule, inference "
-        "latency, runs by outcome and the duty cycle.",
+        "latency, runs by outcome, preemptions and the duty cycle.",
         probe_variables(),
     )
     board.annotations.append(stack_change_annotation('instance=~"$instance"'))
@@ -75,8 +78,8 @@ def probes() -> Json:
 def _plan_with(by: str) -> str:
     """The figure a planner can use: steady where the run has one, else its windowed p10."""
     return (
-        f'{by} (sustain_probe_throughput{{{PROBE}, stat="steady"}})'
-        f' or {by} (sustain_probe_throughput{{{PROBE}, stat="p10"}})'
+        f'{by} (sustain_probe_throughput{{{PROBE}, {SOLO}, stat="steady"}})'
+        f' or {by} (sustain_probe_throughput{{{PROBE}, {SOLO}, stat="p10"}})'
     )
 
 
@@ -91,25 +94,21 @@ def _sustained_against_peak(board: Board) -> None:
             "windows, stated even for a run that never settled. Plan with: the steady value "
             "where there is one, else the p10, as Basis says. In the probe's unit.",
             [
-                Q(f'{by} (sustain_probe_throughput{{{PROBE}, stat="peak"}})'),
-                Q(f'{by} (sustain_probe_throughput{{{PROBE}, stat="steady"}})'),
+                Q(f'{by} (sustain_probe_throughput{{{PROBE}, {SOLO}, stat="peak"}})'),
+                Q(f'{by} (sustain_probe_throughput{{{PROBE}, {SOLO}, stat="steady"}})'),
                 Q(
-                    f'{by} (sustain_probe_throughput{{{PROBE}, stat="steady"}})'
-                    f' / {by} (sustain_probe_throughput{{{PROBE}, stat="peak"}})'
+                    f'{by} (sustain_probe_throughput{{{PROBE}, {SOLO}, stat="steady"}})'
+                    f' / {by} (sustain_probe_throughput{{{PROBE}, {SOLO}, stat="peak"}})'
                 ),
-                Q(f'{by} (sustain_probe_throughput{{{PROBE}, stat="p10"}})'),
+                Q(f'{by} (sustain_probe_throughput{{{PROBE}, {SOLO}, stat="p10"}})'),
                 Q(_plan_with(by)),
                 Q(
-                    f'{by} (sustain_probe_throughput{{{PROBE}, stat="steady"}}) * 0 + 1'
-                    f' or {by} (sustain_probe_throughput{{{PROBE}, stat="p10"}}) * 0'
+                    f'{by} (sustain_probe_throughput{{{PROBE}, {SOLO}, stat="steady"}}) * 0 + 1'
+                    f' or {by} (sustain_probe_throughput{{{PROBE}, {SOLO}, stat="p10"}}) * 0'
                 ),
             ],
-            columns={
-                "instance": "Node",
-                "device": "Device",
-                "workload": "Workload",
-                "precision": "Precision",
-                "optimization": "Optimization",
+            columns=PROBE_COLUMNS
+            | {
                 "unit": "Unit",
                 "Value #A": "Peak",
                 "Value #B": "Steady",
@@ -153,11 +152,11 @@ def _sustained_against_peak(board: Board) -> None:
             "Each run's peak (dashed) and steady throughput. Orange marks: stack changes.",
             [
                 Q(
-                    f'sustain_probe_throughput{{{PROBE}, stat="peak"}}',
+                    f'sustain_probe_throughput{{{PROBE}, {SOLO}, stat="peak"}}',
                     f"{PROBE_LEGEND} peak ({{{{unit}}}})",
                 ),
                 Q(
-                    f'sustain_probe_throughput{{{PROBE}, stat="steady"}}',
+                    f'sustain_probe_throughput{{{PROBE}, {SOLO}, stat="steady"}}',
                     f"{PROBE_LEGEND} steady ({{{{unit}}}})",
                 ),
             ],
@@ -237,12 +236,8 @@ def _warmup_and_slowdowns(board: Board) -> None:
                     f"(sustain_probe_classification{{{PROBE}}})"
                 )
             ],
-            columns={
-                "instance": "Node",
-                "device": "Device",
-                "workload": "Workload",
-                "precision": "Precision",
-                "optimization": "Optimization",
+            columns=PROBE_COLUMNS
+            | {
                 "classification": "Classification",
                 "cause": "Cause",
             },
@@ -382,7 +377,8 @@ def _runs_and_duty_cycle(board: Board) -> None:
             "Probe runs by outcome",
             "Runs per hour (over the trailing hour) by outcome: ok, failed, timeout, "
             "unsupported, skipped (other processes on the GPU, a busy device, the duty-cycle "
-            "budget spent) and aborted (the agent stopped during the run).",
+            "budget spent), aborted (the agent stopped during the run) and preempted "
+            "(production work arrived on the device during the run).",
             [
                 Q(
                     f"sum by (outcome) (rate(sustain_probe_runs_total{{{PROBE}}}[1h])) * 3600",
@@ -410,16 +406,50 @@ def _runs_and_duty_cycle(board: Board) -> None:
                     f"(sustain_probe_last_run_timestamp_seconds{{{PROBE}}})"
                 )
             ],
-            columns={
-                "instance": "Node",
-                "device": "Device",
-                "workload": "Workload",
-                "precision": "Precision",
-                "optimization": "Optimization",
+            columns=PROBE_COLUMNS
+            | {
                 "Value": "Since last run",
             },
             unit="s",
             sort_by="Since last run",
+        ),
+        12,
+        8,
+    )
+    preemptions = f"sustain_probe_preemptions_total{{{PROBE}}}"
+    board.add(
+        timeseries(
+            "Preemptions",
+            "Probe runs stopped because production work arrived on their device (a compute "
+            "process that is not the agent's on the GPU, or a process taking more than "
+            "probing.preempt_cpu_share of the CPUs): the probe yields within a second and the "
+            "run counts for no result.",
+            [
+                Q(
+                    f"sum by (instance, device) (increase({preemptions}[$__rate_interval]))",
+                    "{{instance}} {{device}}",
+                )
+            ],
+            unit="short",
+            minimum=0,
+            bars=True,
+        ),
+        12,
+        8,
+    )
+    board.add(
+        table(
+            "Preemptions over the time range",
+            "Preempted runs of each probe over the dashboard's time range, most first. Many: "
+            "the probe's schedule meets production work; its results are stale while it keeps "
+            "yielding.",
+            [Q(f"sum by ({PROBE_LABELS}) (increase({preemptions}[$__range]))")],
+            columns=PROBE_COLUMNS
+            | {
+                "Value": "Preempted runs",
+            },
+            decimals=0,
+            sort_by="Preempted runs",
         ),
         12,
         8,

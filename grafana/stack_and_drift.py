@@ -8,8 +8,10 @@ from __future__ import annotations
 
 from panels import (
     PROBE,
+    PROBE_COLUMNS,
     PROBE_LABELS,
     PROBE_LEGEND,
+    SOLO,
     Board,
     Json,
     Q,
@@ -67,7 +69,7 @@ def _throughput(board: Board) -> None:
             "stack changed. Purple marks: the first result after a lasting change (drift).",
             [
                 Q(
-                    f'sustain_probe_throughput{{{PROBE}, stat="steady"}}',
+                    f'sustain_probe_throughput{{{PROBE}, {SOLO}, stat="steady"}}',
                     f"{PROBE_LEGEND} ({{{{unit}}}})",
                 )
             ],
@@ -205,13 +207,9 @@ def _drift(board: Board) -> None:
                 ),
                 Q(f"max by ({DRIFT_LABELS}) (sustain_drift_last_change_ratio{{{PROBE}}}) - 1"),
             ],
-            columns={
-                "Value #B": "Detected",
-                "instance": "Node",
-                "device": "Device",
-                "workload": "Workload",
-                "precision": "Precision",
-                "optimization": "Optimization",
+            columns={"Value #B": "Detected"}
+            | PROBE_COLUMNS
+            | {
                 "direction": "Direction",
                 "cause": "Cause",
                 "Value #A": "After / before",
