@@ -24,6 +24,7 @@ from agent.archive.probe_runs import ProbeRunWriter
 from agent.probes.runner import CPU, ProbeRun, ProbeSpec
 from agent.reports import capacity as capacity_module
 from agent.reports.capacity import (
+    SCOPES,
     CapacityRow,
     capacity,
     human,
@@ -40,6 +41,7 @@ UNKNOWN = "NVIDIA Mystery 9000"
 STACK_A = "a" * 64
 STACK_B = "b" * 64
 GROUP_COLUMN = {"model": "device_model", "node": "node", "stack": "stack_id"}
+COLUMNS = ["SIZE", "SCOPE", "MEDIAN", "P10", "SPEC", "RESULTS", "DEVICES"]  # after the group's
 
 
 def probe_run(**values: Any) -> dict[str, Any]:
@@ -176,15 +178,19 @@ def expected(
             row["precision"],
             row["optimization"],
             row["size"],
+            # Written without one, as before migration 0009: the column's default.
+            row.get("scope", "device"),
             row["unit"],
         )
         groups[key].append(row)
     result = []
-    for (group, workload, precision, optimization, size, unit), members in groups.items():
+    for (group, workload, precision, optimization, size, scope, unit), members in groups.items():
         values = np.array([m["steady_throughput"] for m in members])
         median, p10 = np.quantile(values, [0.5, 0.1])
         models = {m["device_model"] for m in members}
         peak = spec_peak(models.pop(), workload, precision, unit) if len(models) == 1 else None
+        if scope == "node_total":
+            peak = None
         result.append(
             CapacityRow(
                 group=group,
@@ -192,6 +198,7 @@ def expected(
                 precision=precision,
                 optimization=optimization,
                 size=size,
+                scope=scope,
                 unit=unit,
                 median=float(median),
                 p10=float(p10),
@@ -205,7 +212,8 @@ def expected(
 
 
 def order(r: CapacityRow) -> tuple[Any, ...]:
-    """Sections of one probe and unit; in each, groups (unknown last), then sizes."""
+    """Sections of one probe and unit; in each, groups (unknown last), then sizes, then scopes:
+    solo, node-wide, node total."""
     return (
         r.workload,
         r.precision,
@@ -216,13 +224,15 @@ def order(r: CapacityRow) -> tuple[Any, ...]:
         r.group or "",
         r.size is None,
         r.size or "",
+        SCOPES.index(r.scope),
     )
 
 
 def assert_rows(actual: list[CapacityRow], wanted: list[CapacityRow]) -> None:
-    assert [(r.group, r.workload, r.precision, r.optimization, r.size, r.unit) for r in actual] == [
-        (r.group, r.workload, r.precision, r.optimization, r.size, r.unit) for r in wanted
-    ]
+    def identity(r: CapacityRow) -> tuple[Any, ...]:
+        return (r.group, r.workload, r.precision, r.optimization, r.size, r.scope, r.unit)
+
+    assert [identity(r) for r in actual] == [identity(r) for r in wanted]
     for got, want in zip(actual, wanted, strict=True):
         assert (got.results, got.devices) == (want.results, want.devices), want
         assert got.median == pytest.approx(want.median, rel=1e-12), want
@@ -413,8 +423,8 @@ def test_sizes_are_never_mixed(archive_engine: Engine) -> None:
     assert capacity(archive_engine, size="small") == [small]
     assert capacity(archive_engine, size="default") == [default]
     lines = render_table([default, small]).splitlines()
-    assert lines[1].split()[:2] == ["MODEL", "SIZE"]
-    assert [line.split()[4] for line in lines[2:]] == ["default", "small"]  # after 4 words
+    assert lines[1].split()[:3] == ["MODEL", "SIZE", "SCOPE"]
+    assert [line.split()[4:6] for line in lines[2:]] == [["default", "solo"], ["small", "solo"]]
 
 
 def test_the_writer_records_the_size_the_child_ran(archive_engine: Engine) -> None:
@@ -440,11 +450,151 @@ def test_the_writer_records_the_size_the_child_ran(archive_engine: Engine) -> No
     ]
 
 
+# Node-wide runs
+
+
+def node_wide(runs: list[tuple[float, float]], node: str = "node-a") -> list[dict[str, Any]]:
+    """Node-wide bf16 matmul runs of ``node``'s two H100s, as the scheduler archives them: each
+    device's run (scope "node") and the node's sum (device "node", scope "node_total"), linked
+    by one group id. ``runs`` gives each run's two steady figures."""
+    rows = []
+    for index, figures in enumerate(runs):
+        group = uuid.uuid4().hex
+        started_at = NOW - timedelta(hours=index + 2)
+        rows += [
+            probe_run(
+                node=node,
+                device=f"GPU-{device}",
+                device_label=f"gpu{device}",
+                scope="node",
+                group_id=group,
+                coupling_ratio=figure / 7.2e14,
+                started_at=started_at,
+                steady_throughput=figure,
+            )
+            for device, figure in enumerate(figures)
+        ]
+        rows.append(
+            probe_run(
+                node=node,
+                device="node",
+                device_label="node",
+                scope="node_total",
+                group_id=group,
+                coupling_ratio=sum(figures) / 1.44e15,
+                started_at=started_at,
+                steady_throughput=sum(figures),
+            )
+        )
+    return rows
+
+
+NODE_WIDE_RUNS = [(5.6e14, 5.8e14), (5.4e14, 5.7e14), (5.9e14, 6.0e14)]
+
+
+def test_solo_and_node_wide_results_are_rows_of_their_own(archive_engine: Engine) -> None:
+    """What a device sustains alone and what it sustains while its whole node works are never
+    one median: each scope is a row, solo first, then node-wide, then the node's sum."""
+    solo = [7.0e14, 7.2e14, 7.4e14]
+    store(
+        archive_engine,
+        [
+            *(
+                # The scope of every row of one insert: its first row's columns are the insert's.
+                probe_run(node=node, device=device, scope="device", steady_throughput=value)
+                for (node, device), value in zip(
+                    [("node-a", "GPU-0"), ("node-a", "GPU-1"), ("node-b", "GPU-0")],
+                    solo,
+                    strict=True,
+                )
+            ),
+            *node_wide(NODE_WIDE_RUNS),
+        ],
+    )
+    rows = capacity(archive_engine)
+    assert [(r.group, r.size, r.scope, r.results, r.devices) for r in rows] == [
+        (H100, "default", "device", 3, 3),
+        (H100, "default", "node", 6, 2),
+        (H100, "default", "node_total", 3, 1),  # one node
+    ]
+    per_device = [figure for run in NODE_WIDE_RUNS for figure in run]
+    totals = [sum(run) for run in NODE_WIDE_RUNS]
+    for row, values in zip(rows, [solo, per_device, totals], strict=True):
+        median, p10 = np.quantile(values, [0.5, 0.1])
+        assert row.median == pytest.approx(median, rel=1e-12), row.scope
+        assert row.p10 == pytest.approx(p10, rel=1e-12), row.scope
+    assert rows[0].median == pytest.approx(7.2e14)
+    assert rows[1].median == pytest.approx(5.75e14)
+    assert rows[2].median == pytest.approx(1.14e15)
+    # The node's sum is no device's: no spec ratio.
+    assert [r.spec_ratio is not None for r in rows] == [True, True, False]
+    for row in rows:
+        assert capacity(archive_engine, scope=row.scope) == [row]
+    lines = render_table(rows).splitlines()
+    assert lines[1].split()[:3] == ["MODEL", "SIZE", "SCOPE"]
+    assert [line.split()[:2] for line in lines[2:] if not line.startswith("NVIDIA")] == [
+        ["default", "solo"],
+        ["default", "node-wide"],
+        ["default", "node-total"],
+    ]
+    assert [o["scope"] for o in rows_as_json(rows)] == ["device", "node", "node_total"]
+
+
+@pytest.mark.parametrize("by", ["model", "node", "stack"])
+def test_node_wide_groups_match_numpy(
+    archive: tuple[Engine, list[dict[str, Any]]], by: str
+) -> None:
+    engine, rows = archive
+    extra = [*node_wide(NODE_WIDE_RUNS), *node_wide([(6.1e14, 6.2e14)], node="node-b")]
+    store(engine, extra)
+    rows = [*rows, *extra]
+    assert_rows(capacity(engine, by=by), expected(rows, by))
+    for scope in SCOPES:
+        wanted = expected([row for row in rows if row.get("scope", "device") == scope], by)
+        assert_rows(capacity(engine, by=by, scope=scope), wanted)
+
+
+def test_runs_archived_before_node_wide_runs_are_solo(database_url: str) -> None:
+    engine = open_engine(database_url)
+    try:
+        upgrade(engine, "0008")
+        store(engine, [probe_run(steady_throughput=7.0e14)])
+        upgrade(engine)
+        (row,) = capacity(engine)
+    finally:
+        engine.dispose()
+    assert (row.scope, row.results, row.median) == ("device", 1, 7.0e14)
+
+
+def test_the_writer_records_the_scope_group_and_coupling(archive_engine: Engine) -> None:
+    writer = ProbeRunWriter(archive_engine, "node-a")
+    solo = ProbeSpec("matmul", "fp32", "eager", 1.0, CPU)
+    member = ProbeSpec("matmul", "fp32", "eager", 1.0, CPU, scope="node")
+    at = NOW.timestamp()
+    writer.finish(ProbeRun("a" * 32, solo, "ok", "", at, at + 1))
+    writer.finish(ProbeRun("b" * 32, member, "ok", "", at, at + 1, group="g" * 32), coupling=0.8)
+    with archive_engine.connect() as connection:
+        found = connection.execute(
+            select(
+                ProbeRunRecord.run_id,
+                ProbeRunRecord.scope,
+                ProbeRunRecord.group_id,
+                ProbeRunRecord.coupling_ratio,
+            ).order_by(ProbeRunRecord.run_id)
+        ).all()
+    assert [tuple(row) for row in found] == [
+        ("a" * 32, "device", None, None),
+        ("b" * 32, "node", "g" * 32, 0.8),
+    ]
+
+
 def test_bad_arguments(archive_engine: Engine) -> None:
     with pytest.raises(ValueError, match="cannot group by 'gpu'"):
         capacity(archive_engine, by="gpu")
     with pytest.raises(ValueError, match="naive datetime"):
         capacity(archive_engine, since=datetime(2026, 11, 1))
+    with pytest.raises(ValueError, match="no scope 'solo'"):
+        capacity(archive_engine, scope="solo")
 
 
 def test_database_errors_are_archive_errors(database_url: str) -> None:
@@ -485,6 +635,7 @@ def explained_plans(engine: Engine, run: Callable[[], object]) -> Iterator[str]:
         {"optimization": "eager"},
         {"workload": "matmul", "precision": "bf16", "optimization": "eager"},
         {"size": "small"},
+        {"scope": "node"},
         {"since": NOW - timedelta(days=7)},
         {"precision": "bf16", "since": NOW - timedelta(days=7)},
     ],
@@ -499,6 +650,7 @@ def test_sqlite_reads_the_capacity_indexes_without_sorting(
     try:
         upgrade(engine)
         store(engine, fleet())
+        store(engine, node_wide(NODE_WIDE_RUNS))
         plans = list(explained_plans(engine, lambda: capacity(engine, by=by, **filters)))
     finally:
         engine.dispose()
@@ -586,7 +738,7 @@ def test_render_table_aligns_columns(archive: tuple[Engine, list[dict[str, Any]]
     headings = [section.splitlines()[0] for section in sections]
     assert headings == ["matmul bf16 eager (FLOP/s)"]
     lines = sections[0].splitlines()[1:]
-    assert lines[0].split() == ["STACK", "SIZE", "MEDIAN", "P10", "SPEC", "RESULTS", "DEVICES"]
+    assert lines[0].split() == ["STACK", *COLUMNS]
     assert len(lines) == len(rows) + 1
     # Stack ids are shortened, the missing one shown as "-"; numbers end in one column.
     assert {line.split()[0] for line in lines[1:]} == {STACK_A[:12], STACK_B[:12], "-"}
@@ -603,7 +755,7 @@ def test_render_table_has_a_section_per_probe_and_unit(
 ) -> None:
     engine, _ = archive
     rows = capacity(engine)
-    sections = render_table(rows).split("\n\n")
+    sections = render_table(rows, width=100).split("\n\n")  # a line per row
     assert [section.splitlines()[0] for section in sections] == [
         "matmul bf16 eager (FLOP/s)",
         "matmul fp16 eager (FLOP/s)",
@@ -622,6 +774,7 @@ def cpu_row(name: str, size: str = "default") -> CapacityRow:
         precision="fp32",
         optimization="eager",
         size=size,
+        scope="device",
         unit="FLOP/s",
         median=2.5e12,
         p10=2.25e12,
@@ -635,10 +788,10 @@ def test_render_table_puts_a_name_too_long_for_its_column_on_a_line_of_its_own()
     long_name = "Intel(R) Xeon(R) Platinum 8480+ Sapphire Rapids"
     rows = [cpu_row(long_name), cpu_row("AMD EPYC 7763", "small")]
     lines = render_table(rows, width=80).splitlines()
-    assert lines[1].split() == ["MODEL", "SIZE", "MEDIAN", "P10", "SPEC", "RESULTS", "DEVICES"]
+    assert lines[1].split() == ["MODEL", *COLUMNS]
     assert lines[2] == long_name
-    assert lines[3].split() == ["default", "2.500", "T", "2.250", "T", "-", "40", "1"]
-    assert lines[4].split()[:4] == ["AMD", "EPYC", "7763", "small"]
+    assert lines[3].split() == ["default", "solo", "2.500", "T", "2.250", "T", "-", "40", "1"]
+    assert lines[4].split()[:5] == ["AMD", "EPYC", "7763", "small", "solo"]
     assert max(len(line) for line in lines) <= 80
     # The SIZE column starts where it does on the other lines.
     assert lines[3].index("default") == lines[4].index("small") == lines[1].index("SIZE")
@@ -652,6 +805,7 @@ def test_render_table_becomes_blocks_where_not_even_the_figures_fit() -> None:
         "matmul fp32 eager (FLOP/s)",
         f"  MODEL    {name}",
         "  SIZE     default",
+        "  SCOPE    solo",
         "  MEDIAN   2.500 TFLOP/s",
         "  P10      2.250 TFLOP/s",
         "  SPEC     -",
@@ -671,6 +825,7 @@ def test_rows_as_json(archive: tuple[Engine, list[dict[str, Any]]]) -> None:
         "precision": rows[0].precision,
         "optimization": rows[0].optimization,
         "size": rows[0].size,
+        "scope": "device",
         "unit": rows[0].unit,
         "median": rows[0].median,
         "p10": rows[0].p10,

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -19,7 +20,7 @@ from agent.archive.database import open_engine, upgrade
 from agent.archive.models import ProbeRunRecord
 
 ENDED = datetime.now(UTC) - timedelta(days=2)
-HEADER = ["MODEL", "SIZE", "MEDIAN", "P10", "SPEC", "RESULTS", "DEVICES"]
+HEADER = ["MODEL", "SIZE", "SCOPE", "MEDIAN", "P10", "SPEC", "RESULTS", "DEVICES"]
 
 
 def result(**values: Any) -> dict[str, Any]:
@@ -107,12 +108,18 @@ def test_the_table_fits_80_columns_uncut(archive: str, columns: str | None) -> N
     assert len(rows) == 6
     # The model names and the figures whole; the small size flagged on its own line.
     assert re.search(
-        r"^NVIDIA H100 80GB HBM3 +default +711\.5 T +710\.3 T +71\.9% +4 +4$", done.stdout, re.M
+        r"^NVIDIA H100 80GB HBM3 +default +solo +711\.5 T +710\.3 T +71\.9% +4 +4$",
+        done.stdout,
+        re.M,
     )
     assert re.search(
-        r"^NVIDIA H100 80GB HBM3 +small +210\.0 T +210\.0 T +21\.2% +1 +1$", done.stdout, re.M
+        r"^NVIDIA H100 80GB HBM3 +small +solo +210\.0 T +210\.0 T +21\.2% +1 +1$",
+        done.stdout,
+        re.M,
     )
-    assert re.search(r"^AMD EPYC 7763 +default +1\.000 T +1\.000 T +- +1 +1$", done.stdout, re.M)
+    assert re.search(
+        r"^AMD EPYC 7763 +default +solo +1\.000 T +1\.000 T +- +1 +1$", done.stdout, re.M
+    )
 
 
 def test_a_name_too_long_for_its_column_gets_a_line_of_its_own(archive: str) -> None:
@@ -124,10 +131,46 @@ def test_a_name_too_long_for_its_column_gets_a_line_of_its_own(archive: str) -> 
     assert max(len(line) for line in lines) <= 80, done.stdout
     assert lines[1].split() == HEADER
     assert lines[2] == name
-    assert lines[3].split() == ["default", "2.000", "T", "2.000", "T", "-", "1", "1"]
+    assert lines[3].split() == ["default", "solo", "2.000", "T", "2.000", "T", "-", "1", "1"]
     # A terminal wide enough keeps the row on one line.
     wide = capacity(archive, columns="120")
     assert wide.stdout.splitlines()[2].startswith(name + "  default")
+
+
+def test_node_wide_results_beside_solo_and_alone_with_scope(archive: str) -> None:
+    """The planner's question: what each H100 sustains alone and while its node works."""
+    node_wide = [
+        result(
+            device=f"GPU-{index}",
+            scope="node",
+            group_id="g" * 32,
+            steady_throughput=6.0e14 + index * 1e12,
+        )
+        for index in range(2)
+    ]
+    total = result(device="node", scope="node_total", group_id="g" * 32, steady_throughput=1.201e15)
+    add(archive, *fleet())
+    add(archive, *node_wide, total)
+    done = capacity(archive, "--precision", "bf16")
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert max(len(line) for line in lines) <= 80, done.stdout
+    figures = [line.split() for line in lines if line.startswith(" ")]
+    assert [line[:2] for line in figures] == [
+        ["default", "solo"],  # the A100s
+        ["default", "solo"],
+        ["default", "node-wide"],
+        ["default", "node-total"],
+        ["small", "solo"],
+    ]
+    assert figures[2][2:] == ["600.5", "T", "600.1", "T", "60.7%", "2", "2"]
+    assert figures[3][2:] == ["1.201", "P", "1.201", "P", "-", "1", "1"]
+    done = capacity(archive, "--scope", "node", "--json")
+    assert done.returncode == 0, done.stderr
+    (row,) = json.loads(done.stdout)
+    assert (row["scope"], row["results"], row["median"]) == ("node", 2, 6.005e14)
+    done = capacity(archive, "--scope", "node_total", "--precision", "fp32")
+    assert done.stdout == "no result matches --precision fp32 --scope node_total together\n"
 
 
 def test_an_empty_archive_says_so(archive: str) -> None:

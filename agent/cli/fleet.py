@@ -176,6 +176,7 @@ def capacity_report(
     workload: str | None,
     optimization: str | None,
     size: str | None = None,
+    scope: str | None = None,
     since_text: str | None,
     as_json: bool,
     width: int | None = None,
@@ -187,6 +188,7 @@ def capacity_report(
         "workload": workload,
         "optimization": optimization,
         "size": size,
+        "scope": scope,
     }
     start = since(since_text)
     try:
@@ -197,6 +199,7 @@ def capacity_report(
             workload=workload,
             optimization=optimization,
             size=size,
+            scope=scope,
             since=start,
         )
         if as_json:

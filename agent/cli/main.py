@@ -287,6 +287,7 @@ def cmd_capacity(args: argparse.Namespace) -> int:
             workload=args.workload,
             optimization=args.optimization,
             size=args.size,
+            scope=args.scope,
             since_text=args.since,
             as_json=args.json,
         ),
@@ -305,25 +306,31 @@ def _positive_seconds(text: str) -> float:
 
 CAPACITY_COLUMNS = """\
 The table has a section per probe (workload, precision, optimization), headed by
-the unit of its figures, and in it a line per group and problem size:
+the unit of its figures, and in it a line per group, problem size and scope:
   MODEL    the group: the device's model (--by model), its node (NODE) or its
            software stack's id, first 12 characters (STACK); "-" where the
            runs did not record it
   SIZE     the runs' problem size: "default" (chosen from the device), "small",
            or "default/4" (divided by 4 to fit the duration); sizes never mix
+  SCOPE    solo: the device ran alone; node-wide: each device while every
+           device of its node ran at once (what production sees: plan with
+           it); node-total: the node's sum in those runs; scopes never mix
   MEDIAN   median of the runs' steady-state throughput, in the heading's unit
            with an SI prefix: 712.3 T in a FLOP/s section is 712.3e12 FLOP/s
   P10      10th percentile of the same: 9 results in 10 were at least this
   SPEC     MEDIAN over the model's published dense peak, in percent; "-" where
-           the peak is unknown or the group mixes models
+           the peak is unknown, the group mixes models or the row is a
+           node-total (a node's sum: the peak is a device's)
   RESULTS  analysed ok runs with a steady state behind the figures
-  DEVICES  distinct devices (node and device) among those runs
+  DEVICES  distinct devices (node and device) among those runs; for a
+           node-total, the nodes
 Nothing is cut to fit the terminal (80 columns when there is none): a name too
 long for its column stands on a line of its own, its figures on the next; where
 not even the figures fit, each row is a block of one column a line, the figures
 with their full unit.
 --json gives the same rows: group, workload, precision, optimization, size,
-unit, median and p10 (in unit), results, devices, spec_ratio (0-1, or null).
+scope (device, node or node_total), unit, median and p10 (in unit), results,
+devices, spec_ratio (0-1, or null).
 """
 
 
@@ -388,6 +395,12 @@ def _add_fleet_commands(commands: Any) -> None:
     capacity.add_argument(
         "--size",
         help="one problem size: default, small, default/4, ... (default: every size, apart)",
+    )
+    capacity.add_argument(
+        "--scope",
+        choices=["device", "node", "node_total"],
+        help="device: solo runs; node: each device within node-wide runs; node_total: the "
+        "node's sum (default: every scope, apart)",
     )
     capacity.add_argument(
         "--since",

@@ -1,8 +1,10 @@
 """Drift: a lasting change in a device's sustained throughput across probe results, and its cause.
 
 For each series (node, device, workload, precision, optimization) the steady values of the last
-``history`` analysed runs, in time order, go through E-Divisive means with a t-test
-(agent/analysis/edivisive.py; window, p-value and minimum magnitude from ``[drift]``). Each change
+``history`` analysed solo runs, in time order, go through E-Divisive means with a t-test
+(agent/analysis/edivisive.py; window, p-value and minimum magnitude from ``[drift]``). Solo only
+(scope ``device``), here and for the fleet outliers: in a node-wide run every device of the node
+works at once, under another load, and a lower figure there is coupling, not drift. Each change
 point is attributed by comparing the runs on either side of it (up to the neighbouring change
 points):
 
@@ -125,7 +127,8 @@ class Outlier:
 def load_history(
     engine: Engine, *, node: str | None = None, history: int = 500
 ) -> dict[SeriesKey, list[Result]]:
-    """The last ``history`` analysed results of every series (of one node, or all), oldest first."""
+    """The last ``history`` analysed solo results of every series (of one node, or all), oldest
+    first."""
     columns = (
         ProbeRunRecord.node,
         ProbeRunRecord.device,
@@ -148,6 +151,7 @@ def load_history(
         ProbeRunRecord.outcome == "ok",
         ProbeRunRecord.steady_throughput.is_not(None),
         ProbeRunRecord.ended_at.is_not(None),
+        ProbeRunRecord.scope == "device",
     )
     if node is not None:
         statement = statement.where(ProbeRunRecord.node == node)

@@ -7,7 +7,10 @@ percentile (what the slower part of the group gives: a synchronous job runs at t
 slowest device), how many results and devices that rests on, and the median's ratio to the
 model's published peak (``agent.reports.specs``). Runs of different problem sizes are never
 mixed: a small problem runs below the device's sustained rate, so each size is a group of its own
-(``RESULT_GROUP``, the columns every group starts with).
+(``RESULT_GROUP``, the columns every group starts with). Nor are solo and node-wide runs
+(``scope``, since migration 0009): a device that sustains its rate alone may not when every
+device of its node works, as production runs them, and the node-wide figure beside the solo one
+is what a planner should plan with; the node's sum (``node_total``) is a group of its own too.
 
 The percentiles are those of numpy's default and of PostgreSQL's ``percentile_cont``: linear
 interpolation between the two nearest ranks. A fleet's archive holds millions of results, so no
@@ -64,6 +67,7 @@ probe_results = table(
     column("precision", String),
     column("optimization", String),
     column("size", String),
+    column("scope", String),
     column("unit", String),
     column("ended_at", UTCDateTime()),
     column("steady_throughput", Float),
@@ -71,7 +75,12 @@ probe_results = table(
 _GROUP_COLUMN = {"model": "device_model", "node": "node", "stack": "stack_id"}
 # Columns of RESULT_GROUP that runs archived before they were recorded leave NULL.
 _NULLABLE = frozenset({"unit", "size"})
-FILTERS = ("precision", "workload", "optimization", "size")
+FILTERS = ("precision", "workload", "optimization", "size", "scope")
+
+SCOPES = ("device", "node", "node_total")
+"""A run's scope (``probe_runs.scope``), in the order the rows of one group and size are shown:
+solo, then each device within a node-wide run, then the node-wide run's sum over the node."""
+SCOPE_SHOWN = {"device": "solo", "node": "node-wide", "node_total": "node-total"}
 
 STREAM_CHUNK = 20_000
 """Summary rows fetched at a time (through a server-side cursor on PostgreSQL)."""
@@ -85,9 +94,10 @@ class CapacityRow:
 
     ``group`` is the device model, node or stack id (None where the runs did not record it:
     runs archived before stacks and models were); ``size`` the problem size (None for runs
-    archived without it). ``median`` and ``p10`` are in ``unit``. ``spec_ratio`` is ``median``
-    over the model's published peak; None where the peak is not known or the group mixes models
-    (a node or a stack may span several).
+    archived without it); ``scope`` one of SCOPES (runs archived before node-wide runs are
+    ``device``). ``median`` and ``p10`` are in ``unit``. ``spec_ratio`` is ``median`` over the
+    model's published peak; None where the peak is not known, the group mixes models (a node or
+    a stack may span several) or the figures are a node's sum (the peak is a device's).
     """
 
     group: str | None
@@ -95,6 +105,7 @@ class CapacityRow:
     precision: str
     optimization: str
     size: str | None
+    scope: str
     unit: str | None
     median: float
     p10: float
@@ -111,19 +122,22 @@ def capacity(
     workload: str | None = None,
     optimization: str | None = None,
     size: str | None = None,
+    scope: str | None = None,
     since: datetime | None = None,
 ) -> list[CapacityRow]:
     """Sustained throughput per group, sorted by (workload, precision, optimization, unit,
-    group, size).
+    group, size, scope in the order of SCOPES).
 
     ``since`` keeps the runs that ended at or after it (an aware datetime). Raises ValueError for
-    an unknown ``by`` and ArchiveError when the database cannot be read.
+    an unknown ``by`` or ``scope`` and ArchiveError when the database cannot be read.
 
     Two queries: one row per device (``_summaries``: results, devices, models), then the
     quantiles of each group; both in one transaction, so that they count the same results.
     """
     if by not in GROUPINGS:
         raise ValueError(f"cannot group by {by!r}: expected one of {', '.join(GROUPINGS)}")
+    if scope is not None and scope not in SCOPES:
+        raise ValueError(f"no scope {scope!r}: expected one of {', '.join(SCOPES)}")
     if since is not None and since.tzinfo is None:
         raise ValueError(f"naive datetime {since.isoformat()} for since (expected UTC)")
     filters = {
@@ -131,6 +145,7 @@ def capacity(
         "workload": workload,
         "optimization": optimization,
         "size": size,
+        "scope": scope,
     }
     try:
         with engine.connect() as connection:
@@ -197,6 +212,8 @@ def _order(row: CapacityRow) -> tuple[object, ...]:
         row.group or "",
         row.size is None,
         row.size or "",
+        SCOPES.index(row.scope) if row.scope in SCOPES else len(SCOPES),
+        row.scope,
     )
 
 
@@ -353,6 +370,8 @@ def _row(key: Key, group: _Group, quantiles: tuple[float, float]) -> CapacityRow
     median, p10 = quantiles
     model = next(iter(group.models)) if len(group.models) == 1 else None
     peak = spec_peak(model, measured["workload"], measured["precision"], measured["unit"])
+    if measured["scope"] == "node_total":  # a node's sum over the peak of one of its devices
+        peak = None
     return CapacityRow(
         group=key[-1],
         **measured,
@@ -440,8 +459,8 @@ TABLE_WIDTH = 80
 
 # The columns after the group's (model, node or stack), as in ``_cells``; the first ``_LEFT``
 # columns, the group's included, are words (left-aligned), the others numbers.
-_HEADER = ("SIZE", "MEDIAN", "P10", "SPEC", "RESULTS", "DEVICES")
-_LEFT = 2
+_HEADER = ("SIZE", "SCOPE", "MEDIAN", "P10", "SPEC", "RESULTS", "DEVICES")
+_LEFT = 3
 _GROUP_ROOM = 12
 """The narrowest group column worth a table: below it, a block per row."""
 
@@ -468,6 +487,7 @@ def _cells(row: CapacityRow, by: str, *, units: bool = False) -> tuple[str, ...]
     return (
         group,
         row.size or "-",
+        SCOPE_SHOWN.get(row.scope, row.scope),
         figure(row.median),
         figure(row.p10),
         f"{row.spec_ratio:.1%}" if row.spec_ratio is not None else "-",
@@ -478,12 +498,13 @@ def _cells(row: CapacityRow, by: str, *, units: bool = False) -> tuple[str, ...]
 
 def render_table(rows: Sequence[CapacityRow], by: str = "model", width: int = TABLE_WIDTH) -> str:
     """A section per probe (workload, precision, optimization, with the unit of its figures in
-    the heading) and in it a line per group and size, numbers right-aligned with an SI prefix.
+    the heading) and in it a line per group, size and scope (SCOPE_SHOWN: solo, node-wide,
+    node-total), numbers right-aligned with an SI prefix.
 
     Nothing is ever cut to fit ``width``: a group name too long for its column (at 80 columns,
-    over about 28 characters, as many CPU model names are) stands on a line of its own, its
-    figures on the next, as df puts a long file system name; where not even the figures fit,
-    every row becomes a block of one column a line.
+    over about 21 characters, 16 beside node-wide rows, as many model names are) stands on a
+    line of its own, its figures on the next, as df puts a long file system name; where not even
+    the figures fit, every row becomes a block of one column a line.
     """
     if not rows:
         return "no probe results match"
