@@ -596,7 +596,9 @@ class Board:
 # sustain_probe_throughput holds solo runs (scope="device") and node-wide runs (scope="node": each
 # device while every device of the node worked, and device="node" for their sum). A panel of solo
 # results selects SOLO, or node-wide figures land on the same device and probe and mix in.
-SOLO = 'scope="device"'
+# Not scope="device": series of agents from before the label (a fleet mid-upgrade, history
+# scraped before it) have no scope, and they are solo runs.
+SOLO = 'scope!="node"'
 PROBE_LABELS = "instance, device, workload, precision, optimization"
 # Table columns (label -> header) of the PROBE_LABELS, in that order.
 PROBE_COLUMNS = {

@@ -206,9 +206,17 @@ def stack_running(fake_nvml: Path, tmp_path: Path) -> Iterator[tuple[str, Path]]
             workload = "matmul"
             precisions = ["fp32"]
             duration_seconds = 4  # three whole one-second windows at least: a p10 and a p50
-            size = "small"
+            # The default size, shrunk to fit: iterations of ~0.1 s settle into a steady state
+            # where the microsecond "small" ones may not (the node-wide panel needs solo steady).
             interval_seconds = 30
             jitter_seconds = 0
+            [[probing.plan]]
+            workload = "matmul"
+            precisions = ["fp32"]
+            duration_seconds = 4
+            interval_seconds = 30
+            jitter_seconds = 0
+            scope = "node"  # both GPUs at once: the node-wide panels
             [[probing.plan]]
             workload = "inference"
             precisions = ["fp32"]
@@ -295,6 +303,7 @@ def test_every_dashboard_query_and_rule_returns_data(stack_running: tuple[str, P
         "sustain_probe_latency_seconds",
         "increase(sustain_stack_changes_total[5m]) > 0",
         'sustain_probe_throughput{stat="steady",uuid!=""}',
+        'sustain_probe_node_coupling_ratio{device="node"}',  # a node-wide run after a solo one
         "instance_device:sustain_probe_throughput_steady:median7d",
     ):
         wait_for(base, expr, 240, logs)
