@@ -31,8 +31,9 @@ from agent.config.settings import Settings, redact_url
 from agent.drift.job import DriftJob
 from agent.exporter.metrics import AgentMetrics
 from agent.exporter.server import ExporterApp, ExporterServer, ListenError
+from agent.probes.devices import TelemetryCapture
 from agent.probes.runner import ProbeRunner
-from agent.probes.scheduler import ProbeKey, ProbeResult, ProbeScheduler, TelemetryCapture
+from agent.probes.scheduler import ProbeKey, ProbeResult, ProbeScheduler
 from agent.stack.tracker import StackTracker
 from agent.telemetry.rollup import RollupBuilder
 from agent.telemetry.sampler import LoopStatus, SamplerLoop

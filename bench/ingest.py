@@ -40,7 +40,8 @@ from agent.archive.sink import ArchiveSink
 from agent.archive.spool import Spool
 from agent.probes.analysis import RunAnalysis
 from agent.probes.attribution import Attribution, SegmentTelemetry
-from agent.probes.runner import Iteration, ProbeDevice, ProbeRun, ProbeSpec
+from agent.probes.protocol import Iteration
+from agent.probes.runner import ProbeDevice, ProbeRun, ProbeSpec
 from agent.telemetry.rollup import RollupRow
 from collectors.nvml.collector import NvmlCollector
 

@@ -19,8 +19,9 @@ import pytest
 from conftest import FakeGpus, cpu_wrapper, wrapped_runs
 
 from agent.config.settings import ProbingSection
+from agent.probes.devices import TelemetryCapture
 from agent.probes.runner import ProbeRunner
-from agent.probes.scheduler import ProbeScheduler, TelemetryCapture
+from agent.probes.scheduler import ProbeScheduler
 from agent.telemetry.sampler import SamplerLoop
 from agent.telemetry.store import TelemetryStore
 from collectors.nvml.collector import NvmlCollector

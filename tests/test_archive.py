@@ -76,7 +76,7 @@ def test_upgrade_creates_the_schema_at_head(database_url: str) -> None:
     try:
         assert current_revision(engine) is None
         upgrade(engine)
-        assert current_revision(engine) == head_revision() == "0008"
+        assert current_revision(engine) == head_revision() == "0009"
         tables = set(inspect(engine).get_table_names())
         assert {"telemetry_rollups", "events", "alembic_version"} <= tables
     finally:
@@ -149,6 +149,10 @@ def test_downgrade_to_base_and_back(archive_engine: Engine) -> None:
     assert current_revision(archive_engine) == head_revision()
 
 
+# The columns of probe_runs that later migrations added: 0007 the size, 0009 the node-wide ones.
+LATER_THAN_0006 = ("size", "scope", "group_id", "coupling_ratio")
+
+
 def probe_runs(engine: Engine) -> list[dict[str, object]]:
     with engine.connect() as connection:
         rows = connection.execute(text("SELECT * FROM probe_runs ORDER BY id")).mappings()
@@ -176,7 +180,8 @@ def test_upgrade_to_0007_keeps_every_probe_run_and_reads_the_size_from_the_manif
         for index, (_, manifest) in enumerate(manifests)
     ]
     for run in runs:
-        del run["size"]  # not a column yet at 0006
+        for later in LATER_THAN_0006:  # not columns yet at 0006
+            run.pop(later, None)
     engine = open_engine(database_url)
     try:
         upgrade(engine, "0006")
@@ -185,7 +190,9 @@ def test_upgrade_to_0007_keeps_every_probe_run_and_reads_the_size_from_the_manif
         before = probe_runs(engine)
         upgrade(engine)
         after = probe_runs(engine)
-        assert [{k: v for k, v in row.items() if k != "size"} for row in after] == before
+        assert [{k: v for k, v in row.items() if k not in LATER_THAN_0006} for row in after] == (
+            before
+        )
         assert [row["size"] for row in after] == [size for size, _ in manifests]
         with engine.connect() as connection:
             results = connection.execute(
@@ -199,6 +206,44 @@ def test_upgrade_to_0007_keeps_every_probe_run_and_reads_the_size_from_the_manif
         with engine.begin() as connection:
             config.attributes["connection"] = connection
             command.downgrade(config, "0006")
+        assert probe_runs(engine) == before
+    finally:
+        engine.dispose()
+
+
+def test_upgrade_to_0009_makes_every_earlier_run_a_solo_run(database_url: str) -> None:
+    """Every run archived before node-wide runs existed is a solo run (scope ``device``), in the
+    table and in the probe_results view; a downgrade drops the node-wide runs (they would read
+    as solo runs of their device) and gives back the solo rows as they were."""
+    runs = [probe_run(run_id=f"{index:032x}", steady_throughput=7e14 + index) for index in range(3)]
+    for run in runs:
+        for later in LATER_THAN_0006[1:]:
+            run.pop(later, None)
+    engine = open_engine(database_url)
+    try:
+        upgrade(engine, "0008")
+        with engine.begin() as connection:
+            connection.execute(insert(ProbeRunRecord), runs)
+        before = probe_runs(engine)
+        upgrade(engine)
+        after = probe_runs(engine)
+        assert [row["scope"] for row in after] == ["device"] * 3
+        assert [row["group_id"] for row in after] == [None] * 3
+        node_wide = [
+            probe_run(run_id=f"{9 + index:032x}", device=device, scope=scope, group_id="g" * 32)
+            for index, (device, scope) in enumerate((("GPU-0", "node"), ("node", "node_total")))
+        ]
+        with engine.begin() as connection:
+            connection.execute(insert(ProbeRunRecord), node_wide)
+            scopes = connection.execute(
+                text("SELECT scope, COUNT(*) FROM probe_results GROUP BY scope ORDER BY scope")
+            ).all()
+        assert [tuple(row) for row in scopes] == [("device", 3), ("node", 1), ("node_total", 1)]
+        config = Config()
+        config.set_main_option("script_location", str(MIGRATIONS))
+        with engine.begin() as connection:
+            config.attributes["connection"] = connection
+            command.downgrade(config, "0008")
         assert probe_runs(engine) == before
     finally:
         engine.dispose()

@@ -23,8 +23,8 @@ from typing import Any
 import pytest
 
 from agent.config.settings import ProbingSection
+from agent.probes.devices import plan_precisions
 from agent.probes.runner import CPU, ProbeRunner, ProbeSpec
-from agent.probes.scheduler import plan_precisions
 from agent.verdict import MIN_ITERATIONS
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -10,8 +10,9 @@ import time
 from test_processes import cpu_seconds, foreign_busy_process, parents
 
 from agent.config.settings import ProbingSection
+from agent.probes.devices import TelemetryCapture
 from agent.probes.runner import CPU, ProbeRunner, ProbeSpec
-from agent.probes.scheduler import ProbeScheduler, TelemetryCapture
+from agent.probes.scheduler import ProbeScheduler
 from agent.telemetry.store import TelemetryStore
 from collectors.base import Reading, Sample
 from collectors.processes import ProcessCpuMeter, process_tree

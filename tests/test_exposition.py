@@ -28,8 +28,9 @@ from agent.config.settings import DriftSection, ProbingSection
 from agent.drift.job import DriftJob
 from agent.exporter.metrics import AgentMetrics
 from agent.exporter.server import ExporterApp, ExporterServer
+from agent.probes.devices import TelemetryCapture
 from agent.probes.runner import ProbeRunner
-from agent.probes.scheduler import ProbeScheduler, TelemetryCapture
+from agent.probes.scheduler import ProbeScheduler
 from agent.stack.tracker import StackTracker
 from agent.telemetry.rollup import RollupBuilder
 from agent.telemetry.sampler import SamplerLoop

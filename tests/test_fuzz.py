@@ -37,16 +37,8 @@ from agent.analysis.input import (
     read_series,
 )
 from agent.config import settings as config
-from agent.probes.runner import (
-    CPU,
-    MAX_LINE_BYTES,
-    STDERR_LINES,
-    Iteration,
-    ProbeRunner,
-    ProbeSpec,
-    _lines,
-    _Protocol,
-)
+from agent.probes.protocol import MAX_LINE_BYTES, Iteration, LineProtocol, lines_of
+from agent.probes.runner import CPU, STDERR_LINES, ProbeRunner, ProbeSpec
 
 # Every example is small and parses in milliseconds: the deadline catches a parser that hangs
 # or goes quadratic. max_examples keeps each property well under 20 s on a 2-core CI runner.
@@ -575,7 +567,7 @@ def trusted(iteration: Iteration) -> bool:
 )
 def test_protocol_never_raises_and_counts_junk(lines: list[bytes]) -> None:
     seen: list[Iteration] = []
-    protocol = _Protocol(seen.append)
+    protocol = LineProtocol(seen.append)
     for raw in lines:
         errors, iterations = protocol.errors, len(protocol.iterations)
         protocol.feed(raw)
@@ -611,7 +603,7 @@ def test_protocol_never_raises_and_counts_junk(lines: list[bytes]) -> None:
 @example(message={"event": "iteration", "index": 0, "start": "0", "end": 1, "work": 1})
 def test_iteration_lines_with_bad_numbers_are_junk(message: dict[str, Any]) -> None:
     seen: list[Iteration] = []
-    protocol = _Protocol(seen.append)
+    protocol = LineProtocol(seen.append)
     protocol.feed((dumps(message) + "\n").encode())
     assert (protocol.errors, protocol.iterations, seen) == (1, [], [])
 
@@ -620,7 +612,7 @@ def test_iteration_lines_with_bad_numbers_are_junk(message: dict[str, Any]) -> N
 @settings(FUZZ, max_examples=200)
 @given(message=good_iterations())
 def test_valid_iteration_lines_are_kept(message: dict[str, Any]) -> None:
-    protocol = _Protocol(None)
+    protocol = LineProtocol(None)
     protocol.feed((dumps(message) + "\n").encode())
     assert protocol.errors == 0
     assert protocol.iterations == [
@@ -648,7 +640,7 @@ def test_valid_iteration_lines_are_kept(message: dict[str, Any]) -> None:
 def test_line_reading_is_bounded(pieces: list[bytes], limit: int) -> None:
     """Short lines come whole; of a long one, only a first piece of limit + 1 bytes."""
     data = b"".join(pieces)
-    got = list(_lines(io.BytesIO(data), limit))
+    got = list(lines_of(io.BytesIO(data), limit))
     assert all(0 < len(raw) <= limit + 1 for raw in got)
     *complete, last = data.split(b"\n")
     expected = [line + b"\n" for line in complete] + ([last] if last else [])

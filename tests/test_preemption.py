@@ -45,17 +45,18 @@ from agent.cli.probe import render_run, run_json
 from agent.config.settings import ProbingSection
 from agent.exporter.metrics import AgentMetrics
 from agent.probes.analysis import RunAnalysis
+from agent.probes.devices import TelemetryCapture
 from agent.probes.preemption import GpuWatch, process_name
+from agent.probes.protocol import Iteration
 from agent.probes.runner import (
     CPU,
     Intruder,
-    Iteration,
     ProbeDevice,
     ProbeRun,
     ProbeRunner,
     ProbeSpec,
 )
-from agent.probes.scheduler import ProbeScheduler, TelemetryCapture
+from agent.probes.scheduler import ProbeScheduler
 from agent.telemetry.sampler import SamplerLoop
 from agent.telemetry.store import TelemetryStore
 from collectors.base import Reading, Sample
@@ -80,9 +81,14 @@ class TimedArchive:
         self.writer.start(run_id, spec, started_at)
 
     def finish(
-        self, run: ProbeRun, *, analysis: RunAnalysis | None = None, stack_id: str | None = None
+        self,
+        run: ProbeRun,
+        *,
+        analysis: RunAnalysis | None = None,
+        stack_id: str | None = None,
+        coupling: float | None = None,
     ) -> None:
-        self.writer.finish(run, analysis=analysis, stack_id=stack_id)
+        self.writer.finish(run, analysis=analysis, stack_id=stack_id, coupling=coupling)
         with self.done:
             self.recorded.append((time.time(), run))
             self.done.notify_all()
@@ -284,7 +290,7 @@ def test_the_archive_takes_preempted_runs_and_the_upgrade_keeps_everything(
         assert len(indexes) == 3
         with engine.connect() as connection:
             before = connection.execute(text("SELECT * FROM probe_runs ORDER BY id")).all()
-        upgrade(engine)
+        upgrade(engine, "0008")
         with engine.connect() as connection:
             assert connection.execute(text("SELECT * FROM probe_runs ORDER BY id")).all() == before
             results = connection.execute(text("SELECT run_id FROM probe_results")).scalars()

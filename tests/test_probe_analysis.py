@@ -15,8 +15,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from agent.config.settings import ProbingSection
 from agent.exporter.metrics import AgentMetrics
+from agent.probes.devices import TelemetryCapture
 from agent.probes.runner import CPU, ProbeRun, ProbeRunner, ProbeSpec
-from agent.probes.scheduler import ProbeScheduler, TelemetryCapture
+from agent.probes.scheduler import ProbeScheduler
 from agent.telemetry.sampler import SamplerLoop
 from agent.telemetry.store import TelemetryStore
 from collectors.host import HostCollector

@@ -22,8 +22,9 @@ from sqlalchemy import Engine, text
 from agent.archive.database import open_engine, upgrade
 from agent.archive.probe_runs import ProbeRunWriter
 from agent.config.settings import ProbingSection
+from agent.probes.devices import TelemetryCapture, gpu_devices
 from agent.probes.runner import CPU, ProbeRun, ProbeRunner, ProbeSpec, child_environment
-from agent.probes.scheduler import ProbeScheduler, TelemetryCapture, gpu_devices
+from agent.probes.scheduler import ProbeScheduler
 from agent.telemetry.sampler import SamplerLoop
 from agent.telemetry.store import TelemetryStore
 from collectors.base import Reading, Sample

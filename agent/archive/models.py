@@ -135,7 +135,7 @@ class EventRecord(Base):
 # The rows of the probe_results view (migration 0005), and the columns every capacity group
 # starts with: what a result measured, whose figures are never mixed (the size since 0007).
 RESULTS_WHERE = text("outcome = 'ok' AND steady_throughput IS NOT NULL")
-RESULT_GROUP = ("precision", "workload", "optimization", "unit", "size")
+RESULT_GROUP = ("precision", "workload", "optimization", "unit", "size", "scope")
 
 
 class ProbeRunRecord(Base):
@@ -153,6 +153,7 @@ class ProbeRunRecord(Base):
         Index(None, "node", "device", "workload", "started_at"),
         Index(None, "precision", "workload", "ended_at"),
         Index(None, "stack_id"),
+        Index(None, "group_id"),
         # ``sustain capacity`` (agent.reports.capacity): partial indexes of exactly the rows of the
         # probe_results view, each holding every column the query reads, so that neither
         # database reads the table (about 2 KB a run with its JSON) nor sorts a million results.
@@ -243,6 +244,12 @@ class ProbeRunRecord(Base):
     # run that never settled still delivered.
     p10_throughput: Mapped[float | None] = mapped_column(Float)
     p50_throughput: Mapped[float | None] = mapped_column(Float)
+    # Node-wide runs (migration 0009): "device" (solo), "node" (one device's run within a
+    # node-wide run) or "node_total" (the node's sum, device "node"); the id that links a
+    # node-wide run's rows; node-wide over solo throughput.
+    scope: Mapped[str] = mapped_column(String(16), server_default="device")
+    group_id: Mapped[str | None] = mapped_column(String(32))
+    coupling_ratio: Mapped[float | None] = mapped_column(Float)
 
 
 class ProbeSeriesRecord(Base):

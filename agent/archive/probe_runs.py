@@ -98,6 +98,7 @@ class ProbeRunWriter:
             "precision": spec.precision,
             "optimization": spec.optimization,
             "size": _size(spec),
+            "scope": spec.scope,
         }
 
     def start_payload(self, run_id: str, spec: ProbeSpec, started_at: float) -> dict[str, Any]:
@@ -116,6 +117,7 @@ class ProbeRunWriter:
         *,
         analysis: RunAnalysis | None = None,
         stack_id: str | None = None,
+        coupling: float | None = None,
     ) -> dict[str, Any]:
         """The whole row (identity included: a skipped run never had a start) and the series."""
         manifest = run.manifest or {}
@@ -139,6 +141,8 @@ class ProbeRunWriter:
                 "stderr_tail": run.stderr_tail,
                 "stack_id": stack_id,
                 "device_model": None if device_model is None else str(device_model)[:128],
+                "group_id": run.group,
+                "coupling_ratio": coupling,
             }
         )
         series = [[i.index, i.start, i.end, i.work, i.phase] for i in run.iterations]
@@ -178,9 +182,11 @@ class ProbeRunWriter:
         *,
         analysis: RunAnalysis | None = None,
         stack_id: str | None = None,
+        coupling: float | None = None,
     ) -> None:
         """Write the end now (no spool): for tools and tests."""
-        self._apply("probe_finish", self.finish_payload(run, analysis=analysis, stack_id=stack_id))
+        payload = self.finish_payload(run, analysis=analysis, stack_id=stack_id, coupling=coupling)
+        self._apply("probe_finish", payload)
 
     def _apply(self, kind: str, payload: dict[str, Any]) -> None:
         try:
@@ -206,8 +212,9 @@ class ProbeRunWriter:
 
 
 def latest_results(engine: Engine, node: str) -> list[tuple[ProbeKey, float, ProbeResult]]:
-    """The latest analysed ok run of each probe of ``node`` (key, end time, result): what the
-    probe gauges showed before a restart, restored from here at start-up."""
+    """The latest analysed ok solo run of each probe of ``node`` (key, end time, result): what
+    the probe gauges showed before a restart, restored from here at start-up (node-wide runs
+    are not: their gauges wait for the next node-wide run)."""
     record = ProbeRunRecord
     identity = (
         record.workload,
@@ -216,7 +223,12 @@ def latest_results(engine: Engine, node: str) -> list[tuple[ProbeKey, float, Pro
         record.device,
         record.device_label,
     )
-    analysed = and_(record.node == node, record.outcome == "ok", record.analysis.is_not(None))
+    analysed = and_(
+        record.node == node,
+        record.outcome == "ok",
+        record.analysis.is_not(None),
+        record.scope == "device",
+    )
     last = (
         select(*identity, func.max(record.ended_at).label("last"))
         .where(analysed)
@@ -224,7 +236,14 @@ def latest_results(engine: Engine, node: str) -> list[tuple[ProbeKey, float, Pro
         .subquery()
     )
     statement = (
-        select(*identity, record.ended_at, record.manifest, record.result, record.analysis)
+        select(
+            *identity,
+            record.ended_at,
+            record.manifest,
+            record.result,
+            record.analysis,
+            record.size,
+        )
         .join(
             last,
             and_(
@@ -250,6 +269,7 @@ def latest_results(engine: Engine, node: str) -> list[tuple[ProbeKey, float, Pro
         manifest,
         result,
         analysis,
+        size,
     ) in rows:
         if ended_at is None or analysis is None:  # excluded by the query; for the type checker
             continue
@@ -269,6 +289,9 @@ def latest_results(engine: Engine, node: str) -> list[tuple[ProbeKey, float, Pro
                         for name, value in latency.items()
                         if name in LATENCY_QUANTILES and isinstance(value, int | float)
                     },
+                    # As the plan asked for it: "default/4" is the default, fitted.
+                    size=(size or "default").split("/")[0],
+                    fitted=size or "",
                 ),
             )
         )

@@ -101,10 +101,17 @@ class ArchiveSink:
         self._append("probe_start", self.probe_runs.start_payload(run_id, spec, started_at))
 
     def finish(
-        self, run: ProbeRun, *, analysis: RunAnalysis | None = None, stack_id: str | None = None
+        self,
+        run: ProbeRun,
+        *,
+        analysis: RunAnalysis | None = None,
+        stack_id: str | None = None,
+        coupling: float | None = None,
     ) -> None:
         """A probe run ended: its whole row, its series and the stack it ran on."""
-        payload = self.probe_runs.finish_payload(run, analysis=analysis, stack_id=stack_id)
+        payload = self.probe_runs.finish_payload(
+            run, analysis=analysis, stack_id=stack_id, coupling=coupling
+        )
         self._append("probe_finish", payload)
 
     def add_stack(self, stack_id: str, facts: dict[str, Any], seen_at: float) -> None:

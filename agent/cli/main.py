@@ -182,6 +182,8 @@ def _check_probe_names(args: argparse.Namespace, settings: config.Settings) -> N
 def cmd_probe(args: argparse.Namespace) -> int:
     settings = _settings(args)
     _check_probe_names(args, settings)
+    if args.node and args.device is not None:
+        raise UsageError("--node runs on every device of the node: leave out --device")
 
     from agent.archive.database import ArchiveError
     from agent.cli import probe as probe_command
@@ -195,6 +197,7 @@ def cmd_probe(args: argparse.Namespace) -> int:
         size=args.size,
         force=args.force,
         record=settings.probing.record if args.record is None else args.record,
+        node=args.node,
     )
     try:
         return probe_command.run_probes(settings, request, as_json=args.json)
@@ -501,6 +504,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     probe.add_argument(
         "--force", action="store_true", help="run even if the device is busy (off by default)"
+    )
+    probe.add_argument(
+        "--node",
+        action="store_true",
+        help="node-wide: each probe solo on every device, then on all of them at once, with "
+        "each device's coupling ratio (off by default)",
     )
     probe.add_argument(
         "--json", action="store_true", help="machine-readable results (off by default: a table)"

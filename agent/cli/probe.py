@@ -33,8 +33,11 @@ from agent.archive.stack_snapshots import StackNotFound, find, last_stack
 from agent.config import names
 from agent.config.settings import Settings, redact_url
 from agent.probes.analysis import RunAnalysis
-from agent.probes.runner import CPU, Iteration, ProbeDevice, ProbeRun, ProbeRunner, ProbeSpec
-from agent.probes.scheduler import ProbeScheduler, TelemetryCapture, gpu_devices, plan_precisions
+from agent.probes.devices import TelemetryCapture, gpu_devices, plan_precisions
+from agent.probes.node import Coupling, node_members
+from agent.probes.protocol import Iteration
+from agent.probes.runner import CPU, ProbeDevice, ProbeRun, ProbeRunner, ProbeSpec
+from agent.probes.scheduler import ProbeScheduler
 from agent.stack.tracker import StackTracker
 from agent.telemetry.sampler import SamplerLoop
 from agent.telemetry.store import TelemetryStore
@@ -62,6 +65,7 @@ class Request:
     size: str | None
     force: bool
     record: bool = False
+    node: bool = False  # each probe solo on every device, then node-wide: the coupling
 
 
 def _collectors(settings: Settings, runner: ProbeRunner) -> list[Collector]:
@@ -156,9 +160,19 @@ def figures_json(analysis: RunAnalysis | None) -> dict[str, Any]:
     }
 
 
-def run_json(run: ProbeRun, analysis: RunAnalysis | None, ratio: float | None) -> dict[str, Any]:
+def run_json(
+    run: ProbeRun,
+    analysis: RunAnalysis | None,
+    ratio: float | None,
+    coupling: Coupling | None = None,
+) -> dict[str, Any]:
     return {
         "id": run.id,
+        "scope": run.spec.scope,
+        "group": run.group,
+        "coupling_ratio": None if coupling is None else coupling.ratio,
+        "coupling_cause": None if coupling is None else coupling.cause,
+        "coupling_reason": None if coupling is None else coupling.reason,
         "workload": run.spec.workload,
         "precision": run.spec.precision,
         "optimization": run.spec.optimization,
@@ -249,6 +263,24 @@ class _Recorder:
         )
 
 
+def _node_plan(
+    request: Request, devices: list[ProbeDevice], specs: list[ProbeSpec]
+) -> tuple[list[ProbeDevice], list[ProbeSpec]]:
+    """``--node``: the devices of a node-wide run and one spec per probe, run after the solo
+    runs of ``specs`` (their reference). A CPU node with one NUMA node has none: said so."""
+    if not request.node:
+        return [], []
+    members = node_members(devices)
+    if len(members) == 1 and members[0].kind == "cpu":
+        print(
+            "sustain probe: --node on a CPU node with one NUMA node is the solo run",
+            file=sys.stderr,
+        )
+        return [], []
+    probes = {(spec.workload, spec.precision, spec.optimization): spec for spec in specs}
+    return members, list(probes.values())
+
+
 def run_probes(settings: Settings, request: Request, as_json: bool) -> int:
     runner = ProbeRunner(
         python=settings.probing.python,
@@ -268,7 +300,9 @@ def run_probes(settings: Settings, request: Request, as_json: bool) -> int:
     ]
     for loop in loops:
         loop.poll_once()  # enough to find the devices and any foreign work on them
-    specs = _specs(settings, request, _devices(store, request.device), runner)
+    devices = _devices(store, request.device)
+    specs = _specs(settings, request, devices, runner)
+    members, node_specs = _node_plan(request, devices, specs)
     nvml = next((c for c in collectors if isinstance(c, NvmlCollector)), None)
     recorder = (
         _Recorder(settings, None if nvml is None else nvml.library, runner.python)
@@ -303,6 +337,15 @@ def run_probes(settings: Settings, request: Request, as_json: bool) -> int:
                 run, analysis = scheduler.run_analysed(spec, request.force, on_iteration=feed)
                 progress.update(feed.task, completed=spec.duration_seconds, status=run.outcome)
                 results.append((run, analysis))
+            for spec in node_specs:
+                task = progress.add_task(
+                    f"{spec.workload} {spec.precision} node-wide on {len(members)} devices",
+                    total=None,
+                    status="running",
+                )
+                node_results = scheduler.run_node_analysed(spec, members, request.force)
+                progress.update(task, status=node_results[-1][0].outcome)
+                results += node_results
     finally:
         for loop in loops:
             loop.request_stop()
@@ -311,10 +354,18 @@ def run_probes(settings: Settings, request: Request, as_json: bool) -> int:
         for collector in collectors:
             collector.close()
     problem = None if recorder is None else recorder.close()
-    ratios = ratios_to_best([run for run, _ in results])
+    ratios = ratios_to_best([run for run, _ in results if run.spec.scope == "device"])
+    couplings = {
+        run.id: coupling
+        for run, _ in results
+        if run.spec.scope != "device" and (coupling := scheduler.coupling(run.spec)) is not None
+    }
     if as_json:
         document = {
-            "runs": [run_json(run, analysis, ratios.get(run.id)) for run, analysis in results],
+            "runs": [
+                run_json(run, analysis, ratios.get(run.id), couplings.get(run.id))
+                for run, analysis in results
+            ],
             "recorded": request.record and problem is None,
         }
         json.dump(document, sys.stdout, indent=2, allow_nan=False)
@@ -323,7 +374,8 @@ def run_probes(settings: Settings, request: Request, as_json: bool) -> int:
         width = max(60, min(shutil.get_terminal_size((80, 24)).columns, 100))
         print(
             "\n\n".join(
-                render_run(run, analysis, ratios.get(run.id), width) for run, analysis in results
+                render_run(run, analysis, ratios.get(run.id), width, couplings.get(run.id))
+                for run, analysis in results
             )
         )
         if request.record and problem is None:
@@ -338,12 +390,21 @@ LABEL_WIDTH = 12
 
 
 def render_run(
-    run: ProbeRun, analysis: RunAnalysis | None, ratio: float | None, width: int = 80
+    run: ProbeRun,
+    analysis: RunAnalysis | None,
+    ratio: float | None,
+    width: int = 80,
+    coupling: Coupling | None = None,
 ) -> str:
     """One run as a block of labelled lines that fits ``width`` columns."""
     spec = run.spec
     unit = str((run.manifest or {}).get("unit", ""))
-    head = f"{spec.workload} {spec.precision} {spec.optimization} on {spec.device.title}: "
+    where = spec.device.title
+    if spec.scope == "node":
+        where += " (node-wide)"
+    elif spec.scope == "node_total":
+        where = f"the node ({len(spec.device.members)} devices at once)"
+    head = f"{spec.workload} {spec.precision} {spec.optimization} on {where}: "
     head += run.outcome
     if run.iterations:
         seconds = run.iterations[-1].end - run.iterations[0].start
@@ -360,6 +421,12 @@ def render_run(
         lines.append(("series", f"{kept} that yielded to production"))
     if ratio is not None and ratio < 1.0:
         lines.append(("vs best", f"{ratio:.3g} of the best precision of this workload here"))
+    if coupling is not None:
+        alone = "the sum of the solo runs" if spec.scope == "node_total" else "its solo run"
+        text = f"{coupling.ratio:.3f} of {alone} ({coupling.compared})"
+        if coupling.cause is not None:
+            text += f"; {coupling.cause}: {coupling.reason}"
+        lines.append(("coupling", text))
     out: list[str] = []
     for label, text in lines:
         if label is None:

@@ -236,6 +236,11 @@ class ProbePlanEntry(_Section):
         le=DAY_SECONDS,
         description="Random delay added to each start, spreading a fleet.",
     )
+    scope: Literal["device", "node"] = Field(
+        default="device",
+        description="device: one device at a time (solo); node: every device of the node at "
+        "once, started together (node-wide; allreduce always is).",
+    )
 
     @field_validator("workload")
     @classmethod
@@ -319,6 +324,13 @@ class ProbingSection(_Section):
         le=1,
         description="A foreign process using more than this share of all CPUs (over 0.5 s) "
         "preempts a running CPU probe.",
+    )
+    coupling_threshold: float = Field(
+        default=0.85,
+        gt=0,
+        le=1,
+        description="A node-wide run whose coupling ratio (node-wide over solo steady throughput) "
+        "is below this counts toward sustain_probe_node_coupling_low_runs.",
     )
     startup_timeout_seconds: float = Field(
         default=180.0,

@@ -25,7 +25,7 @@ from prometheus_client.registry import Collector as PromCollector
 from agent import __version__
 from agent.archive.sink import ArchiveStatus
 from agent.drift.job import SERIES_LABELS, DriftStatus
-from agent.probes.scheduler import LATENCY_QUANTILES, ProbeStatus
+from agent.probes.scheduler import LATENCY_QUANTILES, ProbeResult, ProbeStatus
 from agent.stack.tracker import INFO_LABELS, StackStatus
 from agent.telemetry.sampler import LoopStatus
 from agent.telemetry.store import TelemetryStore
@@ -152,8 +152,9 @@ def _probe_result_families(status: ProbeStatus) -> Iterator[Metric]:
         "Achieved throughput of the probe's latest run: stat=peak (best short window), "
         "stat=steady (mean of the steady state, absent without one), stat=p10 and stat=p50 "
         "(percentiles over one-second windows, present even without a steady state); unit says "
-        "of what (FLOP/s, B/s, tokens/s).",
-        labels=[*_PROBE_LABELS, "unit", "stat"],
+        "of what (FLOP/s, B/s, tokens/s); scope=device for solo runs, scope=node for a device's "
+        "run within a node-wide run and for the node's sum (device=node).",
+        labels=[*_PROBE_LABELS, "unit", "stat", "scope"],
     )
     ratio = GaugeMetricFamily(
         "sustain_probe_sustained_ratio",
@@ -197,10 +198,7 @@ def _probe_result_families(status: ProbeStatus) -> Iterator[Metric]:
         for name, seconds in sorted(result.latency_seconds.items()):
             latency.add_metric([*labels, LATENCY_QUANTILES[name]], seconds)
         figures = result.analysis.figures
-        for stat in ("peak", "steady", "p10", "p50"):
-            value = figures.get(f"{stat}_throughput")
-            if value is not None:
-                throughput.add_metric([*labels, result.unit, stat], value)
+        _add_throughput(throughput, labels, result, "device")
         if figures.get("sustained_ratio") is not None:
             ratio.add_metric(labels, figures["sustained_ratio"])
         if figures.get("warmup_seconds") is not None:
@@ -215,7 +213,50 @@ def _probe_result_families(status: ProbeStatus) -> Iterator[Metric]:
                 share.add_metric([*labels, reason], value)
         if attribution.work_per_joule is not None:
             efficiency.add_metric([*labels, result.work_unit], attribution.work_per_joule)
+    for key, result in sorted(status.node_results.items()):
+        _add_throughput(throughput, list(key), result, "node")
     yield from (throughput, ratio, warmup, classification, cause, share, efficiency, latency)
+    yield from _coupling_families(status)
+
+
+def _add_throughput(
+    family: GaugeMetricFamily, labels: list[str], result: ProbeResult, scope: str
+) -> None:
+    figures = result.analysis.figures
+    for stat in ("peak", "steady", "p10", "p50"):
+        value = figures.get(f"{stat}_throughput")
+        if value is not None:
+            family.add_metric([*labels, result.unit, stat, scope], value)
+
+
+def _coupling_families(status: ProbeStatus) -> Iterator[Metric]:
+    """What each device (and the node, device="node") keeps of its solo throughput when every
+    device of the node works at once."""
+    ratio = GaugeMetricFamily(
+        "sustain_probe_node_coupling_ratio",
+        "Node-wide steady throughput of the device over its latest solo steady throughput "
+        "(same workload, precision and size); device=node: the node's sum over the sum of the "
+        "solo figures. 1 = nothing lost when every device works.",
+        labels=_PROBE_LABELS,
+    )
+    cause = GaugeMetricFamily(
+        "sustain_probe_node_coupling_cause",
+        "Why the latest coupling ratio is below 0.95 (thermal, power_brake, power_cap, "
+        "clock_unexplained, host_contention); value 1.",
+        labels=[*_PROBE_LABELS, "cause"],
+    )
+    low = GaugeMetricFamily(
+        "sustain_probe_node_coupling_low_runs",
+        "Consecutive node-wide runs whose coupling ratio was below probing.coupling_threshold.",
+        labels=_PROBE_LABELS,
+    )
+    for key, coupling in sorted(status.coupling.items()):
+        labels = list(key)
+        ratio.add_metric(labels, coupling.ratio)
+        low.add_metric(labels, float(coupling.low_runs))
+        if coupling.cause is not None:
+            cause.add_metric([*labels, coupling.cause], 1.0)
+    yield from (ratio, cause, low)
 
 
 def _label_values(field: Field, labels: tuple[tuple[str, str], ...]) -> list[str]:

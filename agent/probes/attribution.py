@@ -373,3 +373,37 @@ def _work_per_joule(
         elif first <= start <= last:
             work += amount
     return work / (watts * (last - first))
+
+
+HOST_CONTENTION = "host_contention"
+
+
+def coupling_cause(
+    solo: SegmentTelemetry | None, node: SegmentTelemetry | None, ratio: float, device_key: str
+) -> tuple[str | None, str]:
+    """Why a device delivers less with every device of the node working than alone: the causes
+    of a slowdown, taken from its steady segment in the node-wide run against the solo run's
+    (the GPU that reaches its thermal or power limit only beside its neighbours is the
+    finding), or ``host_contention`` where its clock held while the throughput fell (shared
+    CPUs, host memory bandwidth, PCIe). ``None`` when neither a reason nor the clocks can tell.
+    """
+    loss = 1.0 - ratio
+    if node is not None and node.samples:
+        named = _reason_cause(node)
+        if named is not None:
+            alone = None if solo is None else _reason_cause(solo)
+            where = "in the solo run too" if alone and alone[0] == named[0] else "not when alone"
+            return named[0], f"{named[1]} of the node-wide run ({where})"
+    before = None if solo is None else solo.sm_clock_hertz
+    after = None if node is None else node.sm_clock_hertz
+    clock = "CPU frequency" if device_key == HOST else "SM clock"
+    if before is None or after is None or before <= 0:
+        return None, f"no {clock} readings of both runs: the {loss:.0%} loss is not explained"
+    drop = (before - after) / before
+    # A clock that fell explains the loss only where it fell by a good part of it.
+    if drop > CLOCK_DROP_THRESHOLD and drop >= loss / 2:
+        return "clock_unexplained", f"{clock} {drop:.1%} below solo with no clock-event reason"
+    return HOST_CONTENTION, (
+        f"{clock} held ({-drop:+.1%} against solo) while throughput fell {loss:.0%}: "
+        "shared CPUs, host memory or PCIe"
+    )

@@ -36,13 +36,21 @@ import threading
 import time
 import uuid
 from collections import Counter, deque
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import IO, Any, Literal, NoReturn
+from typing import Any, Literal
 
 import psutil
 
+from agent.probes.protocol import (
+    MAX_LINE_BYTES,
+    Iteration,
+    LineProtocol,
+    analysed_count,
+    lines_of,
+    one_line,
+)
 from agent.verdict import MIN_ITERATIONS
 from collectors.base import Sample
 from collectors.nvml.mig import parse_cpu_list
@@ -50,6 +58,7 @@ from collectors.stack import may_hold_secret
 
 log = logging.getLogger(__name__)
 
+Scope = Literal["device", "node", "node_total"]
 Outcome = Literal["ok", "failed", "timeout", "unsupported", "skipped", "aborted", "preempted"]
 OUTCOMES: tuple[Outcome, ...] = (
     "ok",
@@ -62,12 +71,11 @@ OUTCOMES: tuple[Outcome, ...] = (
 )
 
 STDERR_LINES = 20
-MAX_LINE_BYTES = 1 << 20  # a longer stdout line is not a protocol line
 STDERR_LINE_BYTES = 4096  # of a longer stderr line the tail keeps the start
 KILL_GRACE_SECONDS = 2.0
 RUN_GRACE_SECONDS = 3.0  # the measured run may overrun its duration by this much
 WAIT_STEP_SECONDS = 0.1
-REASON_CHARS = 500  # of a reason the child wrote, one line
+RELEASE_POLL_SECONDS = 0.01  # how soon a child's manifest is seen by the start barrier
 # A `python -m workloads list` child that cannot say: it does not start, does not answer in time,
 # answers with something that is not JSON, or not the object README.md describes.
 _UNREADABLE_LISTING = (
@@ -149,10 +157,19 @@ class ProbeSpec:
     duration_seconds: float
     device: ProbeDevice
     size: str | None = None
+    # "device": a solo run; "node": part of a node-wide run (every device at once, or the node
+    # as one device: allreduce); "node_total": the node-wide run's sum over its devices.
+    scope: Scope = "device"
+    # The problem as a solo run sized it (halvings of the default; ``--shrink``): a node-wide
+    # run repeats its solo runs' problem rather than sizing one under contention.
+    shrink: int | None = None
 
     @property
     def name(self) -> str:
-        return f"{self.workload}/{self.precision}/{self.optimization} on {self.device.title}"
+        where = self.device.title
+        if self.scope == "node" and not self.device.members:
+            where += " (node-wide)"
+        return f"{self.workload}/{self.precision}/{self.optimization} on {where}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -175,15 +192,28 @@ class Intruder:
 
 # Polled by the runner while its child runs (every WAIT_STEP_SECONDS): None, or what arrived.
 Watch = Callable[[], Intruder | None]
+# Where a run was stopped: at the start-up timeout, at its duration and grace, or because
+# another child of its node-wide run did not start.
+Limit = Literal["startup", "run", "peer"]
 
 
-@dataclass(frozen=True, slots=True)
-class Iteration:
-    index: int
-    start: float
-    end: float
-    work: float
-    phase: str | None = None
+class _SharedWatch:
+    """One watch for the runs of a group, each polling it from its own thread: asked of the
+    underlying watch at most once a step, and once it names an intruder, every run sees it."""
+
+    def __init__(self, watch: Watch) -> None:
+        self._watch = watch
+        self._lock = threading.Lock()
+        self._due = 0.0
+        self._intruder: Intruder | None = None
+
+    def __call__(self) -> Intruder | None:
+        with self._lock:
+            now = time.monotonic()
+            if self._intruder is None and now >= self._due:
+                self._due = now + WAIT_STEP_SECONDS
+                self._intruder = self._watch()
+            return self._intruder
 
 
 @dataclass(frozen=True, slots=True)
@@ -206,6 +236,8 @@ class ProbeRun:
     telemetry: tuple[Sample, ...] = ()
     # What a preempted run yielded to.
     preempted_by: Intruder | None = None
+    # The node-wide run it was part of (one id for every device's run and the node's sum).
+    group: str | None = None
 
     @property
     def throughput(self) -> float | None:
@@ -247,180 +279,6 @@ def child_environment(device: ProbeDevice, base: Mapping[str, str] | None = None
     else:
         env["CUDA_VISIBLE_DEVICES"] = ""
     return env
-
-
-_LARGEST_INT = int(sys.float_info.max)
-
-
-def _json_constant(name: str) -> NoReturn:
-    raise ValueError(f"{name} is not JSON")  # NaN, Infinity: the child writes allow_nan=False
-
-
-def _json_float(text: str) -> float:
-    value = float(text)
-    if not math.isfinite(value):
-        raise ValueError(f"{text} does not fit a float")
-    return value
-
-
-def _json_int(text: str) -> int:
-    value = int(text)  # a ValueError past int()'s digit limit
-    if abs(value) > _LARGEST_INT:
-        raise ValueError("an integer that does not fit a float")
-    return value
-
-
-_NUMBER = (int, float)
-# What the agent reads of each line, and the JSON types it must have where present (null is
-# allowed): a line that breaks this is junk, counted, never trusted. Numbers of a result are
-# also non-negative.
-_FIELD_TYPES: dict[str, dict[str, tuple[type, ...]]] = {
-    "manifest": {
-        "workload": (str,),
-        "unit": (str,),
-        "work_unit": (str,),
-        "device_name": (str,),
-        "torch": (str,),
-        "python": (str,),
-        "kernel": (str,),
-        "threads": (int,),
-        "backends": (dict,),
-        "shapes": (dict,),
-        "parameters": (dict,),
-        "min_iterations": (int,),
-        "fit": (dict,),
-        "native_reason": (str,),
-        "reference": (dict,),
-        "slow_path": (str,),
-    },
-    "result": {
-        "iterations": (int,),
-        "duration": _NUMBER,
-        "elapsed": _NUMBER,
-        "work": _NUMBER,
-        "throughput": _NUMBER,
-        "prefill_tokens_per_second": _NUMBER,
-        "decode_tokens_per_second": _NUMBER,
-        "kernel": (str,),
-        "phases": (dict,),
-        "latency_seconds": (dict,),
-    },
-    "unsupported": {"reason": (str,)},
-}
-
-
-def _fits(message: Mapping[str, Any], event: str) -> bool:
-    for name, types in _FIELD_TYPES[event].items():
-        value = message.get(name)
-        if value is None:
-            continue
-        if isinstance(value, bool) or not isinstance(value, types):
-            return False
-        if event == "result" and isinstance(value, _NUMBER) and value < 0:
-            return False
-    return True
-
-
-class _Protocol:
-    """Parses the child's stdout lines; tolerant of junk, which it counts instead of trusting.
-
-    Junk is anything but one JSON object per line as workloads/README.md describes it: a line
-    that is not JSON (binary, another encoding, truncated, too long, nested too deeply), NaN or
-    Infinity anywhere (the child never writes them), a number no float can hold, an unknown
-    event, a field of the wrong type, an iteration that ends before it starts or has negative
-    work. ``feed`` never raises on what the child wrote.
-    """
-
-    def __init__(self, on_iteration: Callable[[Iteration], None] | None) -> None:
-        self.manifest: dict[str, Any] | None = None
-        self.measuring_since: float | None = None  # monotonic; the manifest's arrival
-        self.result: dict[str, Any] | None = None
-        self.unsupported: str | None = None
-        self.iterations: list[Iteration] = []
-        self.errors = 0
-        self._on_iteration = on_iteration
-
-    def feed(self, raw: bytes) -> None:
-        message = self._parse(raw)
-        event = None if message is None else message.get("event")
-        if message is None or event not in ("manifest", "iteration", "result", "unsupported"):
-            self.errors += 1
-        elif event == "iteration":
-            iteration = self._iteration(message)
-            if iteration is None:
-                self.errors += 1
-                return
-            self.iterations.append(iteration)
-            if self._on_iteration is not None:
-                self._on_iteration(iteration)
-        elif not _fits(message, event):
-            self.errors += 1
-        elif event == "manifest":
-            if self.manifest is None:
-                self.measuring_since = time.monotonic()
-            self.manifest = message
-        elif event == "result":
-            self.result = message
-        else:
-            self.unsupported = one_line(message.get("reason")) or "unsupported"
-
-    @staticmethod
-    def _parse(raw: bytes) -> dict[str, Any] | None:
-        if len(raw) > MAX_LINE_BYTES:
-            return None
-        try:
-            message = json.loads(
-                raw,
-                parse_constant=_json_constant,
-                parse_float=_json_float,
-                parse_int=_json_int,
-            )
-        except (ValueError, RecursionError):  # UnicodeDecodeError is a ValueError
-            return None
-        return message if isinstance(message, dict) else None
-
-    @staticmethod
-    def _iteration(message: Mapping[str, Any]) -> Iteration | None:
-        index = message.get("index")
-        phase = message.get("phase")
-        if isinstance(index, bool) or not isinstance(index, int) or index < 0:
-            return None
-        if phase is not None and not isinstance(phase, str):
-            return None
-        values: list[float] = []
-        for name in ("start", "end", "work"):
-            value = message.get(name)
-            if isinstance(value, bool) or not isinstance(value, _NUMBER):
-                return None
-            values.append(float(value))
-        start, end, work = values
-        if not all(math.isfinite(v) for v in values) or end < start or work < 0:
-            return None
-        return Iteration(index, start, end, work, phase)
-
-
-def one_line(text: object) -> str:
-    """What the child wrote, fit for a run's reason: one printable line, of a bounded length."""
-    line = " ".join(str(text or "").split())
-    if not line.isprintable():
-        line = repr(line)[1:-1]
-    return line[:REASON_CHARS]
-
-
-def analysed_count(iterations: Sequence[Iteration]) -> int:
-    """The iterations the analysis reads: those of the most frequent phase (all, unphased)."""
-    counts = Counter(iteration.phase for iteration in iterations)
-    return counts.most_common(1)[0][1] if counts else 0
-
-
-def _lines(stream: IO[bytes], limit: int) -> Iterator[bytes]:
-    """The lines of ``stream``; of a line longer than ``limit`` bytes only the first
-    ``limit + 1`` come (newline included where it fits), the rest is read and dropped in
-    pieces, so a child that writes gigabytes without a newline costs no memory."""
-    while raw := stream.readline(limit + 1):
-        yield raw
-        while len(raw) > limit and not raw.endswith(b"\n"):
-            raw = stream.readline(limit + 1)
 
 
 class ProbeRunner:
@@ -506,6 +364,8 @@ class ProbeRunner:
         ]  # fmt: skip
         if spec.size is not None:
             command += ["--size", spec.size]
+        if spec.shrink is not None:
+            command += ["--shrink", str(spec.shrink)]
         if spec.device.members:  # one rank per GPU; on a CPU (tests) gloo ranks
             command += ["--ranks", str(len(spec.device.members))]
         if spec.device.cpus:
@@ -525,24 +385,31 @@ class ProbeRunner:
         command: Sequence[str] | None = None,
         run_id: str | None = None,
         watch: Watch | None = None,
+        *,
+        start: threading.Barrier | None = None,
     ) -> ProbeRun:
         """Run ``spec`` to its end, or until ``watch`` names foreign work on its device (then the
         process group is killed at once and the run is ``preempted``); ``command`` replaces the
-        workload command (tests use it to start children that crash, raise or hang)."""
+        workload command (tests use it to start children that crash, raise or hang). With
+        ``start``, the child waits after its manifest until every party of the barrier has sent
+        its own (``run_group``)."""
         run_id = run_id or uuid.uuid4().hex
-        protocol = _Protocol(on_iteration)
+        protocol = LineProtocol(on_iteration)
+        protocol.gated = start is not None
         stderr_tail: deque[str] = deque(maxlen=STDERR_LINES)
         started = time.time()
         try:
             process = subprocess.Popen(
-                list(command) if command is not None else self.command(spec),
-                stdin=subprocess.DEVNULL,
+                self._argv(spec, command, start),
+                stdin=subprocess.DEVNULL if start is None else subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 env=child_environment(spec.device, self._environment),
                 start_new_session=True,  # its own process group, killed as a whole
             )
         except OSError as exc:
+            if start is not None:
+                start.abort()
             return ProbeRun(
                 run_id, spec, "failed", f"cannot start the probe: {exc}", started, time.time()
             )
@@ -551,15 +418,12 @@ class ProbeRunner:
             stopping = self._stopping
         if stopping:
             self._kill_group(process)
-        readers = [
-            threading.Thread(target=self._read_stdout, args=(process, protocol), daemon=True),
-            threading.Thread(target=self._read_stderr, args=(process, stderr_tail), daemon=True),
-        ]
+        readers = self._readers(process, protocol, stderr_tail, start)
         for reader in readers:
             reader.start()
-        limit: Literal["startup", "run"] | Intruder | None = None
+        limit: Limit | Intruder | None = None
         try:
-            limit = self._wait(process, protocol, spec.duration_seconds, watch)
+            limit = self._wait(process, protocol, spec.duration_seconds, watch, start)
             if isinstance(limit, Intruder):
                 self._kill_group(process, (signal.SIGKILL,))  # production waits for the device
             elif limit is not None:
@@ -594,24 +458,108 @@ class ProbeRunner:
             preempted_by=limit if isinstance(limit, Intruder) else None,
         )
 
+    def _argv(
+        self, spec: ProbeSpec, command: Sequence[str] | None, start: threading.Barrier | None
+    ) -> list[str]:
+        if command is not None:
+            return list(command)
+        return [*self.command(spec), *(["--start-on-stdin"] if start is not None else [])]
+
+    def _readers(
+        self,
+        process: subprocess.Popen[bytes],
+        protocol: LineProtocol,
+        stderr_tail: deque[str],
+        start: threading.Barrier | None,
+    ) -> list[threading.Thread]:
+        """The threads that follow a child: its stdout, its stderr, and its start barrier."""
+        readers = [
+            threading.Thread(target=self._read_stdout, args=(process, protocol), daemon=True),
+            threading.Thread(target=self._read_stderr, args=(process, stderr_tail), daemon=True),
+        ]
+        if start is not None:
+            readers.append(
+                threading.Thread(target=self._release, args=(process, protocol, start), daemon=True)
+            )
+        return readers
+
+    def run_group(
+        self,
+        specs: Sequence[ProbeSpec],
+        run_ids: Sequence[str],
+        watch: Watch | None = None,
+        command: Sequence[str] | None = None,
+    ) -> list[ProbeRun]:
+        """Run ``specs`` at once, one child each, behind a start barrier: every child sizes and
+        warms its problem, and all are released together once the last has sent its manifest,
+        so their measured runs overlap. A child that cannot start, or dies before its manifest,
+        breaks the barrier and the others are stopped (``failed``, "did not start"). Foreign
+        work seen by ``watch`` preempts every run of the group."""
+        barrier = threading.Barrier(len(specs))
+        shared = None if watch is None else _SharedWatch(watch)
+        runs: list[ProbeRun | None] = [None] * len(specs)
+
+        def one(position: int) -> None:
+            runs[position] = self.run(
+                specs[position],
+                command=command,
+                run_id=run_ids[position],
+                watch=shared,
+                start=barrier,
+            )
+
+        threads = [
+            threading.Thread(target=one, args=(position,), name=f"probe-{position}", daemon=True)
+            for position in range(len(specs))
+        ]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        return [run for run in runs if run is not None]
+
+    def _release(
+        self, process: subprocess.Popen[bytes], protocol: LineProtocol, start: threading.Barrier
+    ) -> None:
+        """Wait at ``start`` once the child has sent its manifest, then let it measure. A child
+        that exits, or sends nothing within the start-up timeout, breaks the barrier for all."""
+        deadline = time.monotonic() + self.startup_timeout_seconds
+        while protocol.manifest is None:
+            if process.poll() is not None or time.monotonic() >= deadline:
+                start.abort()
+                return
+            time.sleep(RELEASE_POLL_SECONDS)
+        try:
+            start.wait(max(0.0, deadline - time.monotonic()))
+        except threading.BrokenBarrierError:
+            return
+        protocol.measuring_since = time.monotonic()
+        assert process.stdin is not None
+        with contextlib.suppress(OSError):  # a child gone meanwhile ends by itself
+            process.stdin.write(b"go\n")
+            process.stdin.close()
+
     def _wait(
         self,
         process: subprocess.Popen[bytes],
-        protocol: _Protocol,
+        protocol: LineProtocol,
         duration: float,
         watch: Watch | None,
-    ) -> Literal["startup", "run"] | Intruder | None:
-        """Wait for the child to exit: until its manifest at most the start-up timeout, from
-        then on its duration and the grace, asking ``watch`` every step whether foreign work
-        arrived. The limit it ran into, the intruder, or None."""
+        start: threading.Barrier | None = None,
+    ) -> Limit | Intruder | None:
+        """Wait for the child to exit: until its manifest (its release, behind a start barrier)
+        at most the start-up timeout, from then on its duration and the grace, asking ``watch``
+        every step whether foreign work arrived. The limit it ran into, the intruder, or None."""
         startup_deadline = time.monotonic() + self.startup_timeout_seconds
         while True:
             intruder = None if watch is None else watch()
             if intruder is not None:
                 return intruder
             since = protocol.measuring_since
+            if since is None and start is not None and start.broken:
+                return "peer"
             if since is None:
-                limit: Literal["startup", "run"] = "startup"
+                limit: Limit = "startup"
                 deadline = startup_deadline
             else:
                 limit, deadline = "run", since + duration + self.grace(duration)
@@ -625,15 +573,15 @@ class ProbeRunner:
             return None
 
     @staticmethod
-    def _read_stdout(process: subprocess.Popen[bytes], protocol: _Protocol) -> None:
+    def _read_stdout(process: subprocess.Popen[bytes], protocol: LineProtocol) -> None:
         assert process.stdout is not None
-        for raw in _lines(process.stdout, MAX_LINE_BYTES):
+        for raw in lines_of(process.stdout, MAX_LINE_BYTES):
             protocol.feed(raw)
 
     @staticmethod
     def _read_stderr(process: subprocess.Popen[bytes], tail: deque[str]) -> None:
         assert process.stderr is not None
-        for raw in _lines(process.stderr, STDERR_LINE_BYTES):
+        for raw in lines_of(process.stderr, STDERR_LINE_BYTES):
             line = raw.decode(errors="replace").rstrip()
             if line:
                 tail.append(line[:500])
@@ -665,13 +613,14 @@ class ProbeRunner:
         self,
         spec: ProbeSpec,
         code: int | None,
-        limit: Literal["startup", "run"] | None,
-        protocol: _Protocol,
+        limit: Limit | None,
+        protocol: LineProtocol,
         stderr_tail: deque[str],
     ) -> tuple[Outcome, str]:
         outcome: Outcome
         if limit is not None:
-            outcome, reason = "timeout", self._stopped(spec, limit, protocol)
+            outcome = "failed" if limit == "peer" else "timeout"
+            reason = self._stopped(spec, limit, protocol)
         else:
             outcome, reason = self._exit(code, protocol, stderr_tail)
             declared = (protocol.manifest or {}).get("min_iterations")
@@ -686,7 +635,7 @@ class ProbeRunner:
 
     @staticmethod
     def _exit(
-        code: int | None, protocol: _Protocol, stderr_tail: deque[str]
+        code: int | None, protocol: LineProtocol, stderr_tail: deque[str]
     ) -> tuple[Outcome, str]:
         """The outcome of a child that exited by itself."""
         last = stderr_tail[-1] if stderr_tail else "no error output"
@@ -700,11 +649,11 @@ class ProbeRunner:
             return "failed", "exited without a result line"
         return "ok", ""
 
-    def _stopped(
-        self, spec: ProbeSpec, limit: Literal["startup", "run"], protocol: _Protocol
-    ) -> str:
+    def _stopped(self, spec: ProbeSpec, limit: Limit, protocol: LineProtocol) -> str:
         """Why a child was killed at a limit, and what it had delivered."""
         killed = f"process group killed after {len(protocol.iterations)} iterations"
+        if limit == "peer":
+            return f"node-wide start: another device's probe did not start; {killed}"
         if limit == "startup":
             return (
                 f"no manifest within the start-up timeout of {self.startup_timeout_seconds:g} s; "
@@ -718,7 +667,7 @@ class ProbeRunner:
             return f"{stopped} in an iteration still running; {killed}"
         return f"{self._insufficient(spec, protocol, minimum)} ({stopped}; {killed})"
 
-    def _insufficient(self, spec: ProbeSpec, protocol: _Protocol, minimum: int) -> str:
+    def _insufficient(self, spec: ProbeSpec, protocol: LineProtocol, minimum: int) -> str:
         """ "insufficient: 1 iteration of 53 s in 2 s; at least 30 are needed: use --size small
         or a --duration of at least 1590 s"."""
         counts = Counter(iteration.phase for iteration in protocol.iterations)

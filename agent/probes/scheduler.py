@@ -20,10 +20,12 @@ import logging
 import random
 import threading
 import time
+import uuid
 from collections import Counter, deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Protocol
 
 from apscheduler.schedulers.base import BaseScheduler
@@ -33,10 +35,21 @@ from apscheduler.triggers.interval import IntervalTrigger
 from agent.config.names import NODE_WIDE
 from agent.config.settings import ProbePlanEntry, ProbingSection
 from agent.probes.analysis import AnalysisError, RunAnalysis, analyze_run
+from agent.probes.devices import TelemetryCapture, gpu_devices, node_device, plan_precisions
+from agent.probes.node import (
+    NODE,
+    Coupling,
+    coupling_of,
+    figure,
+    low_runs,
+    node_members,
+    node_total,
+    shrink_of,
+)
 from agent.probes.preemption import CpuWatch, GpuWatch
+from agent.probes.protocol import Iteration
 from agent.probes.runner import (
     CPU,
-    Iteration,
     ProbeDevice,
     ProbeRun,
     ProbeRunner,
@@ -47,7 +60,6 @@ from agent.probes.runner import (
 from agent.telemetry.sampler import SamplerLoop
 from agent.telemetry.store import TelemetryStore
 from collectors.base import Sample
-from collectors.nvml.mig import cpu_list, parse_cpu_list
 from collectors.processes import ProcessCpuMeter
 
 log = logging.getLogger(__name__)
@@ -56,107 +68,9 @@ DUTY_WINDOW_SECONDS = 3600.0
 BUSY_WINDOW_SECONDS = 60.0
 FIRST_POLL_WAIT_SECONDS = 30.0  # NVML's first poll (init, discovery) before the first round
 LATENCY_QUANTILES = {"p50": "0.5", "p90": "0.9", "p99": "0.99"}
-CAPTURE_LIMIT = 200_000  # samples per probe: 10 Hz x 9 GPUs + host for over half an hour
 ATTRIBUTION_SECONDS = 1.0  # how long a busy CPU's processes are watched before the skip names them
 TOP_PROCESSES = 3
 TOP_MIN_CPUS = 0.05  # below this a process is noise, not who is busy
-
-
-class TelemetryCapture:
-    """A sampler sink that keeps, per running probe, the samples of that probe's devices."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._active: dict[str, tuple[frozenset[str], list[Sample]]] = {}
-
-    def start(self, probe_id: str, devices: Iterable[str]) -> None:
-        with self._lock:
-            self._active[probe_id] = (frozenset(devices), [])
-
-    def stop(self, probe_id: str) -> list[Sample]:
-        with self._lock:
-            _, samples = self._active.pop(probe_id, (frozenset(), []))
-            return samples
-
-    def record(self, sample: Sample) -> None:
-        with self._lock:
-            for devices, samples in self._active.values():
-                if sample.device in devices and len(samples) < CAPTURE_LIMIT:
-                    samples.append(sample)
-
-
-def gpu_devices(store: TelemetryStore) -> list[ProbeDevice]:
-    """The healthy GPUs the NVML collector reports, in index order. A GPU in MIG mode runs
-    nothing by its own UUID: its MIG devices are listed instead (by their MIG-... UUIDs), each
-    with the GPU's nearest CPUs."""
-    gpus: dict[str, tuple[dict[str, str], str, bool]] = {}  # uuid -> labels, cpus, MIG mode
-    instances: list[dict[str, str]] = []
-    for sample in store.latest():
-        if sample.collector != "nvml" or sample.device == "system":
-            continue
-        readings = {reading.field: reading for reading in sample.readings}
-        if "gpu_mig_info" in readings:
-            instances.append(dict(readings["gpu_mig_info"].labels))
-            continue
-        healthy = readings.get("gpu_healthy")
-        if healthy is None or healthy.value != 1.0 or "device" not in dict(healthy.labels):
-            continue
-        topology = readings.get("gpu_topology_info")
-        mode = readings.get("gpu_mig_mode")
-        gpus[sample.device] = (
-            dict(healthy.labels),
-            "" if topology is None else dict(topology.labels).get("cpu_affinity", ""),
-            mode is not None and mode.value == 1.0,
-        )
-    found = [
-        ProbeDevice("cuda", uuid, labels["device"], int(labels["device"]), cpus=cpus)
-        for uuid, (labels, cpus, mig_mode) in gpus.items()
-        if not mig_mode
-    ]
-    for labels in instances:
-        parent = gpus.get(labels["parent"])
-        if parent is not None and parent[2]:
-            found.append(
-                ProbeDevice(
-                    "cuda",
-                    labels["uuid"],
-                    labels["device"],
-                    int(labels["device"]),
-                    parent=labels["parent"],
-                    mig=labels["mig_instance"],
-                    cpus=parent[1],
-                )
-            )
-    return sorted(found, key=lambda device: (device.index or 0, int(device.mig or 0)))
-
-
-def node_device(devices: Sequence[ProbeDevice]) -> ProbeDevice:
-    """The node as one device, for a node-wide workload (allreduce): every whole GPU, all
-    visible to one run, its children on the union of the GPUs' CPUs. MIG devices are left out
-    (CUDA uses one MIG device per process); with fewer than two GPUs the workload says it does
-    not apply. A CPU-only node keeps the CPU."""
-    gpus = tuple(device for device in devices if device.kind == "cuda" and device.parent is None)
-    if not gpus:
-        return devices[0] if devices else CPU
-    cpus = (
-        cpu_list(set().union(*(parse_cpu_list(gpu.cpus) for gpu in gpus)))
-        if all(gpu.cpus for gpu in gpus)
-        else ""
-    )
-    return ProbeDevice("cuda", "node", "node", None, cpus=cpus, members=gpus)
-
-
-def plan_precisions(
-    probing: ProbingSection, entry: ProbePlanEntry, runner: ProbeRunner, device: ProbeDevice
-) -> list[str]:
-    """The precisions of ``entry`` to run on ``device``. A plan the configuration gives runs
-    every precision it lists (one the device lacks natively runs too, reported as such); the
-    built-in plan leaves out those the device runs without native support (bf16 on a CPU without
-    AVX512-BF16 or AMX: orders of magnitude below fp32, it would measure the emulation)."""
-    if "plan" in probing.model_fields_set:
-        return list(entry.precisions)
-    lacking = runner.lacking_native(device)
-    return [precision for precision in entry.precisions if precision not in lacking]
 
 
 class RecordError(Exception):
@@ -174,7 +88,12 @@ class ProbeArchive(Protocol):
     def start(self, run_id: str, spec: ProbeSpec, started_at: float) -> None: ...
 
     def finish(
-        self, run: ProbeRun, *, analysis: RunAnalysis | None = None, stack_id: str | None = None
+        self,
+        run: ProbeRun,
+        *,
+        analysis: RunAnalysis | None = None,
+        stack_id: str | None = None,
+        coupling: float | None = None,
     ) -> None: ...
 
 
@@ -193,6 +112,8 @@ class ProbeResult:
     work_unit: str
     analysis: RunAnalysis
     latency_seconds: dict[str, float] = field(default_factory=dict)  # p50, p90, p99 (inference)
+    size: str = "default"  # the size the plan asked for (a coupling compares the same size)
+    fitted: str = ""  # the size the child ran, as its manifest says ("default/4")
 
 
 @dataclass(frozen=True, slots=True)
@@ -204,10 +125,19 @@ class ProbeStatus:
     running: dict[tuple[str, str], bool]
     duty_used: dict[tuple[str, str], float]
     results: dict[ProbeKey, ProbeResult]
+    # Node-wide runs: each device's result and the node's (device "node"), and their coupling.
+    node_results: dict[ProbeKey, ProbeResult] = field(default_factory=dict)
+    coupling: dict[ProbeKey, Coupling] = field(default_factory=dict)
 
 
 def _device_labels(device: ProbeDevice) -> tuple[str, str]:
+    if device.key == NODE:
+        return NODE, ""
     return device.label, device.key if device.kind == "cuda" else ""
+
+
+def _key(spec: ProbeSpec) -> ProbeKey:
+    return (spec.workload, spec.precision, spec.optimization, *_device_labels(spec.device))
 
 
 class ProbeScheduler:
@@ -241,8 +171,11 @@ class ProbeScheduler:
         self._runs: Counter[tuple[str, str, str, str, str, str]] = Counter()
         self._last_run: dict[ProbeKey, float] = {}
         self._results: dict[ProbeKey, ProbeResult] = {}
+        self._node_results: dict[ProbeKey, ProbeResult] = {}
+        self._coupling: dict[ProbeKey, Coupling] = {}
         self._running: dict[tuple[str, str], bool] = {}
         self._stopping = threading.Event()
+        self.sysfs = Path("/sys")  # where node-wide CPU runs find the NUMA nodes
 
     def devices(self) -> list[ProbeDevice]:
         """The GPUs the NVML collector reports, or the CPU where it reports none. Its first poll
@@ -293,8 +226,19 @@ class ProbeScheduler:
     def run_entry(self, entry: ProbePlanEntry) -> list[ProbeRun]:
         runs: list[ProbeRun] = []
         devices = self.devices()
+        members: list[ProbeDevice] = []
         if entry.workload in NODE_WIDE:
             devices = [node_device(devices)]
+        elif entry.scope == "node":
+            members = node_members(devices, self.sysfs)
+            if len(members) == 1 and members[0].kind == "cpu":
+                log.info(
+                    "probe %s: node-wide on a CPU node with one NUMA node is the solo run",
+                    entry.workload,
+                )
+                members = []
+            else:
+                devices = members[:1]
         for device in devices:
             for precision in plan_precisions(self.settings, entry, self.runner, device):
                 for optimization in entry.optimizations:
@@ -307,9 +251,183 @@ class ProbeScheduler:
                         entry.duration_seconds,
                         device,
                         None if entry.size == "default" else entry.size,
+                        scope="node" if entry.workload in NODE_WIDE else "device",
                     )
-                    runs.append(self.run_one(spec))
+                    if members:
+                        runs.extend(self.run_node(spec, members))
+                    else:
+                        runs.append(self.run_one(spec))
         return runs
+
+    def run_node(
+        self,
+        spec: ProbeSpec,
+        members: Sequence[ProbeDevice],
+        force: bool = False,
+        command: Sequence[str] | None = None,
+    ) -> list[ProbeRun]:
+        """``run_node_analysed``, the runs only."""
+        return [run for run, _ in self.run_node_analysed(spec, members, force, command)]
+
+    def coupling(self, spec: ProbeSpec) -> Coupling | None:
+        """The latest coupling ratio of ``spec``'s device (or the node, device "node")."""
+        with self._lock:
+            return self._coupling.get(_key(spec))
+
+    def run_node_analysed(
+        self,
+        spec: ProbeSpec,
+        members: Sequence[ProbeDevice],
+        force: bool = False,
+        command: Sequence[str] | None = None,
+    ) -> list[tuple[ProbeRun, RunAnalysis | None]]:
+        """Run ``spec`` node-wide: on every one of ``members`` at once (``spec.device`` is
+        ignored), then the node as a whole. Every device's run is recorded (scope "node") and
+        analysed as a solo run is, and so is the node's sum (device "node", scope
+        "node_total"), all under one group id; each device's throughput is set against its
+        latest solo result (the coupling ratio). The run needs every device to pass its checks;
+        otherwise it is skipped, recorded once for the node with the first reason."""
+        node = ProbeDevice(members[0].kind, NODE, NODE, None, members=tuple(members))
+        total = replace(spec, device=node, scope="node_total")
+        group = uuid.uuid4().hex
+        with contextlib.ExitStack() as locks:
+            for key in sorted({member.gpu for member in members}):
+                locks.enter_context(self._device_lock(key))
+            reason = None if force else self.skip_reason(total)
+            if reason is not None:
+                log.info("probe %s skipped: %s", total.name, reason)
+                run = replace(skipped(total, reason), group=group)
+                self._record(run)
+                return [(run, None)]
+            specs = [
+                replace(spec, device=member, scope="node", shrink=self._solo_shrink(spec, member))
+                for member in members
+            ]
+            run_ids = [self._begin(member) for member in specs]
+            try:
+                runs = self.runner.run_group(
+                    specs, run_ids, watch=None if force else self._watch(total), command=command
+                )
+            finally:
+                captured = [
+                    self._end(member, run_id) for member, run_id in zip(specs, run_ids, strict=True)
+                ]
+        runs = [
+            replace(run, telemetry=tuple(samples), group=group)
+            for run, samples in zip(runs, captured, strict=True)
+        ]
+        analyses = [self._analyze(run) for run in runs]
+        node_run = node_total(total, group, runs)
+        node_analysis = self._analyze(node_run)
+        couplings = self._couple(spec, runs, analyses, node_run, node_analysis)
+        stack_id = self._stack_after(runs[0]) if runs else None
+        for run, analysis in zip(runs, analyses, strict=True):
+            coupling = couplings.get(_key(run.spec))
+            self._record(
+                run,
+                analysis=analysis,
+                stack_id=stack_id,
+                coupling=None if coupling is None else coupling.ratio,
+            )
+            self._log_outcome(run, len(run.telemetry))
+        coupling = couplings.get(_key(total))
+        self._record(
+            node_run,
+            analysis=node_analysis,
+            stack_id=stack_id,
+            coupling=None if coupling is None else coupling.ratio,
+        )
+        for probe_key, found in sorted(couplings.items()):
+            log.info(
+                "probe %s node-wide on %s: coupling %.3f (%s)%s",
+                spec.workload,
+                probe_key[3],
+                found.ratio,
+                found.compared,
+                "" if found.cause is None else f", {found.cause}: {found.reason}",
+            )
+        return [*zip(runs, analyses, strict=True), (node_run, node_analysis)]
+
+    def _couple(
+        self,
+        spec: ProbeSpec,
+        runs: Sequence[ProbeRun],
+        analyses: Sequence[RunAnalysis | None],
+        node_run: ProbeRun,
+        node_analysis: RunAnalysis | None,
+    ) -> dict[ProbeKey, Coupling]:
+        """Each device's coupling ratio against its latest solo result of the same size, and
+        the node's (stated where the node's own series was analysed)."""
+        size = spec.size or "default"
+        with self._lock:
+            solo = {key: result for key, result in self._results.items() if result.size == size}
+            previous = dict(self._coupling)
+        found: dict[ProbeKey, Coupling] = {}
+        references: list[float] = []
+        for run, analysis in zip(runs, analyses, strict=True):
+            key = _key(run.spec)
+            reference = solo.get(key)
+            if analysis is None or reference is None:
+                continue
+            coupling = coupling_of(
+                analysis,
+                reference.analysis,
+                run.spec.device.gpu,
+                previous.get(key),
+                self.settings.coupling_threshold,
+            )
+            if coupling is not None:
+                found[key] = coupling
+                references.append(coupling.solo_throughput)
+        # The node: its devices' node-wide figures summed over their solo figures summed (the
+        # figures each device's own ratio compares; on a CPU node, over the whole CPU's solo).
+        node_key = _key(node_run.spec)
+        members = list(found.values())
+        value: float | None = None
+        total: float | None = None
+        kinds = {member.compared for member in members}
+        if spec.device.kind == "cpu":
+            cpu = solo.get((spec.workload, spec.precision, spec.optimization, "cpu", ""))
+            own = [figure(a.figures) if a is not None else (None, "") for a in analyses]
+            if cpu is not None and all(v is not None for v, _ in own):
+                value = sum(v for v, _ in own if v is not None)
+                total, kind = figure(cpu.analysis.figures)
+                kinds = {f"{mine}/{kind}" if mine != kind else kind for _, mine in own}
+        elif members and len(members) == len(runs):
+            value = sum(member.node_throughput for member in members)
+            total = sum(member.solo_throughput for member in members)
+        if node_analysis is not None and value is not None and total:
+            ratio = value / total
+            found[node_key] = Coupling(
+                ratio,
+                value,
+                total,
+                kinds.pop() if len(kinds) == 1 else "mixed",
+                None,
+                "the devices' node-wide figures summed over their solo figures summed",
+                low_runs(ratio, previous.get(node_key), self.settings.coupling_threshold),
+            )
+        with self._lock:
+            self._coupling.update(found)
+        return found
+
+    def _solo_shrink(self, spec: ProbeSpec, member: ProbeDevice) -> int | None:
+        """How the latest solo run of ``spec`` on ``member`` shrank its problem, for the
+        node-wide child to run that same problem; None without one (it sizes its own)."""
+        with self._lock:
+            solo = self._results.get(_key(replace(spec, device=member)))
+        if solo is None or solo.size != (spec.size or "default"):
+            return None
+        return shrink_of(solo.fitted)
+
+    def _stack_after(self, run: ProbeRun) -> str | None:
+        if self._stacks is None or run.outcome == "skipped":
+            return None
+        try:
+            return self._stacks.after_run(run)
+        except Exception:  # a stack that cannot be read must not lose the result
+            log.exception("probe %s: the stack could not be read", run.spec.name)
+            return None
 
     def run_one(
         self,
@@ -350,32 +468,31 @@ class ProbeScheduler:
                 telemetry = self._end(spec, run_id)
             run = replace(run, telemetry=tuple(telemetry))
             analysis = self._analyze(run)
-            stack_id = None
-            if self._stacks is not None and run.outcome != "skipped":
-                try:
-                    stack_id = self._stacks.after_run(run)
-                except Exception:  # a stack that cannot be read must not lose the result
-                    log.exception("probe %s: the stack could not be read", spec.name)
-            self._record(run, analysis=analysis, stack_id=stack_id)
-            # Logged once recorded (spooled, durable): a finished run in the log is in the archive.
-            if run.outcome == "preempted":
-                log.info(
-                    "probe %s %s; %d iterations kept, no figures",
-                    spec.name,
-                    run.reason,
-                    len(run.iterations),
-                )
-            elif run.outcome not in ("ok", "unsupported"):
-                log.warning("probe %s %s: %s", spec.name, run.outcome, run.reason)
-            else:
-                log.info(
-                    "probe %s %s: %d iterations, %s telemetry samples",
-                    spec.name,
-                    run.outcome,
-                    len(run.iterations),
-                    len(telemetry),
-                )
+            self._record(run, analysis=analysis, stack_id=self._stack_after(run))
+            self._log_outcome(run, len(telemetry))
             return run, analysis
+
+    @staticmethod
+    def _log_outcome(run: ProbeRun, samples: int) -> None:
+        """Logged once recorded (spooled, durable): a finished run in the log is in the
+        archive."""
+        if run.outcome == "preempted":
+            log.info(
+                "probe %s %s; %d iterations kept, no figures",
+                run.spec.name,
+                run.reason,
+                len(run.iterations),
+            )
+        elif run.outcome not in ("ok", "unsupported"):
+            log.warning("probe %s %s: %s", run.spec.name, run.outcome, run.reason)
+        else:
+            log.info(
+                "probe %s %s: %d iterations, %s telemetry samples",
+                run.spec.name,
+                run.outcome,
+                len(run.iterations),
+                samples,
+            )
 
     def _watch(self, spec: ProbeSpec) -> Watch | None:
         """What the run yields to (``probing.preempt``): a compute process arriving on its GPU,
@@ -510,10 +627,20 @@ class ProbeScheduler:
         )
 
     def duty_used(self, device_key: str, now: float) -> float:
+        """Probe time on the device over the last hour; the runs of a node-wide run that share
+        a device (a CPU's NUMA nodes) count once."""
         since = now - DUTY_WINDOW_SECONDS
         with self._lock:
-            history = self._history.get(device_key, deque())
-            return sum(max(0.0, end - max(start, since)) for start, end in history if end > since)
+            spans = sorted(
+                (max(start, since), end)
+                for start, end in self._history.get(device_key, ())
+                if end > since
+            )
+        used, reach = 0.0, since
+        for start, end in spans:
+            used += max(0.0, end - max(start, reach))
+            reach = max(reach, end)
+        return used
 
     def _latest_value(self, device: ProbeDevice, field: str) -> float | None:
         for sample in self._store.latest():
@@ -579,16 +706,17 @@ class ProbeScheduler:
         *,
         analysis: RunAnalysis | None = None,
         stack_id: str | None = None,
+        coupling: float | None = None,
     ) -> None:
         spec = run.spec
-        device, uuid = _device_labels(spec.device)
-        key = (spec.workload, spec.precision, spec.optimization, device, uuid)
+        key = _key(spec)
+        results = self._results if spec.scope == "device" else self._node_results
         with self._lock:
             self._runs[(*key, run.outcome)] += 1
             if analysis is not None:
                 manifest = run.manifest or {}
                 latency = (run.result or {}).get("latency_seconds") or {}
-                self._results[key] = ProbeResult(
+                results[key] = ProbeResult(
                     unit=str(manifest.get("unit", "")),
                     work_unit=str(manifest.get("work_unit", "")),
                     analysis=analysis,
@@ -597,6 +725,8 @@ class ProbeScheduler:
                         for name, value in latency.items()
                         if name in LATENCY_QUANTILES and isinstance(value, int | float)
                     },
+                    size=spec.size or "default",
+                    fitted=str(manifest.get("size", "")),
                 )
             if run.outcome != "skipped":
                 self._last_run[key] = run.ended_at
@@ -606,7 +736,7 @@ class ProbeScheduler:
                     history.popleft()
         if self._writer is not None:
             try:
-                self._writer.finish(run, analysis=analysis, stack_id=stack_id)
+                self._writer.finish(run, analysis=analysis, stack_id=stack_id, coupling=coupling)
             except RecordError as exc:
                 log.error("probe %s not archived: %s", spec.name, exc)
 
@@ -635,10 +765,18 @@ class ProbeScheduler:
             runs = dict(self._runs)
             last_run = dict(self._last_run)
             results = dict(self._results)
+            node_results = dict(self._node_results)
+            coupling = dict(self._coupling)
         duty = {}
         for device in self.devices():
             if device.key in keys or _device_labels(device) in running:
                 duty[_device_labels(device)] = self.duty_used(device.key, now) / DUTY_WINDOW_SECONDS
         return ProbeStatus(
-            runs=runs, last_run=last_run, running=running, duty_used=duty, results=results
+            runs=runs,
+            last_run=last_run,
+            running=running,
+            duty_used=duty,
+            results=results,
+            node_results=node_results,
+            coupling=coupling,
         )
