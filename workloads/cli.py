@@ -57,12 +57,6 @@ def _cpus(text: str) -> frozenset[int]:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def _count(text: str) -> int:
-    if not text.isdigit():
-        raise argparse.ArgumentTypeError(f"must be 0 or a positive integer, not {text!r}")
-    return int(text)
-
-
 def _positive_int(text: str) -> int:
     if not text.isdigit() or int(text) < 1:
         raise argparse.ArgumentTypeError(f"must be a positive integer, not {text!r}")
@@ -96,12 +90,6 @@ def _parser() -> _Parser:
         "--cpus",
         type=_cpus,
         help="bind to these CPUs first (comma-separated numbers: the GPU's nearest)",
-    )
-    run.add_argument(
-        "--shrink",
-        type=_count,
-        help="the problem with its leading dimensions halved N times, as is (no sizing): "
-        "a node-wide run repeats the size its solo runs chose",
     )
     run.add_argument(
         "--start-on-stdin",
@@ -146,7 +134,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             flush_cache=args.flush_cache,
             causal=args.causal,
             ranks=args.ranks,
-            shrink=args.shrink or 0,
         )
         duration = args.duration or workload.spec.default_duration
         runner.run(
@@ -158,7 +145,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             emitter=emitter,
             min_iterations=args.min_iterations,
             cpu_binding=binding,
-            sized=args.shrink is None,
             start=_line_on_stdin if args.start_on_stdin else None,
         )
     return 0
@@ -187,10 +173,6 @@ def _check_run_arguments(
         parser.error("--ranks applies to allreduce only")
     if args.ranks == 1:
         parser.error("--ranks must be 2 or more (an all-reduce needs a peer)")
-    if args.shrink is not None and args.shrink > workload.max_shrink:
-        parser.error(
-            f"--shrink: {spec.name} halves its problem at most {workload.max_shrink} times"
-        )
 
 
 def describe_workloads(device_spec: str) -> dict[str, Any]:

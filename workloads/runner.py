@@ -37,15 +37,12 @@ def run(
     emitter: Emitter,
     min_iterations: int | None = None,
     cpu_binding: dict[str, Any] | None = None,
-    sized: bool = True,
     start: Callable[[], bool] | None = None,
 ) -> None:
     """Run one probe to completion; an Unsupported outcome is a line on stdout, not an error.
     ``cpu_binding`` (workloads.affinity.bind) goes into the manifest as it is. ``start``, where
     given, is called between the manifest and the first iteration and returns whether to go on:
-    the start barrier of a node-wide run (the agent releases every device's child at once).
-    ``sized=False`` runs the problem as ``request`` gives it (its ``shrink``), without fitting
-    it to ``min_iterations``."""
+    the start barrier of a node-wide run (the agent releases every device's child at once)."""
     try:
         device = probe(device_spec)
         reason = workload_class.unsupported_reason(device, request.precision, request.optimization)
@@ -62,7 +59,7 @@ def run(
             device,
             timer,
             duration=duration,
-            min_iterations=min_iterations if sized else None,
+            min_iterations=min_iterations,
         )
     except Unsupported as exc:
         emitter.emit(_unsupported(workload_class, request, device_spec, exc))

@@ -291,7 +291,6 @@ def latest_results(engine: Engine, node: str) -> list[tuple[ProbeKey, float, Pro
                     },
                     # As the plan asked for it: "default/4" is the default, fitted.
                     size=(size or "default").split("/")[0],
-                    fitted=size or "",
                 ),
             )
         )

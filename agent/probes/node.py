@@ -142,16 +142,16 @@ def _spread(  # noqa: PLR0917 - an iteration, its reach, and the grid
             work[point] += iteration.work * overlap / span
 
 
-def figure(figures: Mapping[str, Any]) -> tuple[float | None, str]:
-    """The throughput a coupling ratio compares: the steady mean, or where the run found no
-    steady state, the median of its one-second windows (what it still delivered)."""
-    steady = figures.get("steady_throughput")
-    if isinstance(steady, int | float) and steady > 0:
-        return float(steady), "steady"
-    median = figures.get("p50_throughput")
-    if isinstance(median, int | float) and median > 0:
-        return float(median), "p50"
-    return None, ""
+def figures(runs: Sequence[Mapping[str, Any]]) -> tuple[list[float], str] | None:
+    """The figures a coupling ratio compares, the same statistic of every run: the steady mean
+    where all of them found a steady state, else the median of their one-second windows (what
+    they delivered); None where not every run has either. Never a steady mean against a
+    median: under load the two differ by more than the loss being measured."""
+    for name in ("steady", "p50"):
+        values = [run.get(f"{name}_throughput") for run in runs]
+        if all(isinstance(v, int | float) and not isinstance(v, bool) and v > 0 for v in values):
+            return [float(v) for v in values if v is not None], name
+    return None
 
 
 @dataclass(frozen=True, slots=True)
@@ -212,10 +212,10 @@ def coupling_of(
 ) -> Coupling | None:
     """A device's node-wide run (``analysis``) against its solo run; explained below
     ``EXPLAIN_BELOW``. None where either run gave no figure to compare."""
-    node_value, node_kind = figure(analysis.figures)
-    solo_value, solo_kind = figure(solo.figures)
-    if node_value is None or solo_value is None:
+    compared = figures([analysis.figures, solo.figures])
+    if compared is None:
         return None
+    (node_value, solo_value), kind = compared
     ratio = node_value / solo_value
     cause, reason = None, ""
     if ratio < EXPLAIN_BELOW:
@@ -227,12 +227,11 @@ def coupling_of(
             ratio,
             device_key,
         )
-    compared = node_kind if node_kind == solo_kind else f"{node_kind}/{solo_kind}"
     return Coupling(
         ratio,
         node_value,
         solo_value,
-        compared,
+        kind,
         cause,
         reason,
         low_runs(ratio, previous, threshold),
@@ -244,15 +243,3 @@ def low_runs(ratio: float, previous: Coupling | None, threshold: float) -> int:
     if ratio >= threshold:
         return 0
     return 1 + (0 if previous is None else previous.low_runs)
-
-
-def shrink_of(fitted: str) -> int | None:
-    """The halvings of a manifest's size ("default/4": 2, "small": 0); None if unreadable."""
-    if not fitted:
-        return None
-    _, _, divisor = fitted.partition("/")
-    if not divisor:
-        return 0
-    if not divisor.isdigit() or int(divisor) < 1:
-        return None
-    return int(divisor).bit_length() - 1

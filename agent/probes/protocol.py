@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import sys
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -122,6 +123,7 @@ class LineProtocol:
         # Gated (a start barrier): the measured run begins when the child is released, not at
         # its manifest; ``measuring_since`` is then set by the releaser.
         self.gated = False
+        self.manifest_seen = threading.Event()  # what a start barrier waits for
 
     def feed(self, raw: bytes) -> None:
         message = self._parse(raw)
@@ -142,6 +144,7 @@ class LineProtocol:
             if self.manifest is None and not self.gated:
                 self.measuring_since = time.monotonic()
             self.manifest = message
+            self.manifest_seen.set()
         elif event == "result":
             self.result = message
         else:

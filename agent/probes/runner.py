@@ -75,7 +75,6 @@ STDERR_LINE_BYTES = 4096  # of a longer stderr line the tail keeps the start
 KILL_GRACE_SECONDS = 2.0
 RUN_GRACE_SECONDS = 3.0  # the measured run may overrun its duration by this much
 WAIT_STEP_SECONDS = 0.1
-RELEASE_POLL_SECONDS = 0.01  # how soon a child's manifest is seen by the start barrier
 # A `python -m workloads list` child that cannot say: it does not start, does not answer in time,
 # answers with something that is not JSON, or not the object README.md describes.
 _UNREADABLE_LISTING = (
@@ -160,9 +159,6 @@ class ProbeSpec:
     # "device": a solo run; "node": part of a node-wide run (every device at once, or the node
     # as one device: allreduce); "node_total": the node-wide run's sum over its devices.
     scope: Scope = "device"
-    # The problem as a solo run sized it (halvings of the default; ``--shrink``): a node-wide
-    # run repeats its solo runs' problem rather than sizing one under contention.
-    shrink: int | None = None
 
     @property
     def name(self) -> str:
@@ -364,8 +360,6 @@ class ProbeRunner:
         ]  # fmt: skip
         if spec.size is not None:
             command += ["--size", spec.size]
-        if spec.shrink is not None:
-            command += ["--shrink", str(spec.shrink)]
         if spec.device.members:  # one rank per GPU; on a CPU (tests) gloo ranks
             command += ["--ranks", str(len(spec.device.members))]
         if spec.device.cpus:
@@ -524,11 +518,10 @@ class ProbeRunner:
         """Wait at ``start`` once the child has sent its manifest, then let it measure. A child
         that exits, or sends nothing within the start-up timeout, breaks the barrier for all."""
         deadline = time.monotonic() + self.startup_timeout_seconds
-        while protocol.manifest is None:
+        while not protocol.manifest_seen.wait(WAIT_STEP_SECONDS):
             if process.poll() is not None or time.monotonic() >= deadline:
                 start.abort()
                 return
-            time.sleep(RELEASE_POLL_SECONDS)
         try:
             start.wait(max(0.0, deadline - time.monotonic()))
         except threading.BrokenBarrierError:

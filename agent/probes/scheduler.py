@@ -40,11 +40,10 @@ from agent.probes.node import (
     NODE,
     Coupling,
     coupling_of,
-    figure,
+    figures,
     low_runs,
     node_members,
     node_total,
-    shrink_of,
 )
 from agent.probes.preemption import CpuWatch, GpuWatch
 from agent.probes.protocol import Iteration
@@ -113,7 +112,6 @@ class ProbeResult:
     analysis: RunAnalysis
     latency_seconds: dict[str, float] = field(default_factory=dict)  # p50, p90, p99 (inference)
     size: str = "default"  # the size the plan asked for (a coupling compares the same size)
-    fitted: str = ""  # the size the child ran, as its manifest says ("default/4")
 
 
 @dataclass(frozen=True, slots=True)
@@ -299,10 +297,7 @@ class ProbeScheduler:
                 run = replace(skipped(total, reason), group=group)
                 self._record(run)
                 return [(run, None)]
-            specs = [
-                replace(spec, device=member, scope="node", shrink=self._solo_shrink(spec, member))
-                for member in members
-            ]
+            specs = [replace(spec, device=member, scope="node") for member in members]
             run_ids = [self._begin(member) for member in specs]
             try:
                 runs = self.runner.run_group(
@@ -388,11 +383,16 @@ class ProbeScheduler:
         kinds = {member.compared for member in members}
         if spec.device.kind == "cpu":
             cpu = solo.get((spec.workload, spec.precision, spec.optimization, "cpu", ""))
-            own = [figure(a.figures) if a is not None else (None, "") for a in analyses]
-            if cpu is not None and all(v is not None for v, _ in own):
-                value = sum(v for v, _ in own if v is not None)
-                total, kind = figure(cpu.analysis.figures)
-                kinds = {f"{mine}/{kind}" if mine != kind else kind for _, mine in own}
+            compared = (
+                None
+                if cpu is None or None in analyses
+                else figures(
+                    [*(a.figures for a in analyses if a is not None), cpu.analysis.figures]
+                )
+            )
+            if compared is not None:
+                *own, total = compared[0]
+                value, kinds = sum(own), {compared[1]}
         elif members and len(members) == len(runs):
             value = sum(member.node_throughput for member in members)
             total = sum(member.solo_throughput for member in members)
@@ -410,15 +410,6 @@ class ProbeScheduler:
         with self._lock:
             self._coupling.update(found)
         return found
-
-    def _solo_shrink(self, spec: ProbeSpec, member: ProbeDevice) -> int | None:
-        """How the latest solo run of ``spec`` on ``member`` shrank its problem, for the
-        node-wide child to run that same problem; None without one (it sizes its own)."""
-        with self._lock:
-            solo = self._results.get(_key(replace(spec, device=member)))
-        if solo is None or solo.size != (spec.size or "default"):
-            return None
-        return shrink_of(solo.fitted)
 
     def _stack_after(self, run: ProbeRun) -> str | None:
         if self._stacks is None or run.outcome == "skipped":
@@ -726,7 +717,6 @@ class ProbeScheduler:
                         if name in LATENCY_QUANTILES and isinstance(value, int | float)
                     },
                     size=spec.size or "default",
-                    fitted=str(manifest.get("size", "")),
                 )
             if run.outcome != "skipped":
                 self._last_run[key] = run.ended_at
