@@ -1,0 +1,315 @@
+"""What the archive knows about health: the fleet baseline of a probe, a device's own recent
+results, operators' acknowledgements, XIDs since boot and the verdicts last recorded.
+
+The daemon and ``sustain health`` (with or without the daemon) read through these functions, so
+both reach the same verdict from the same rows.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+from sqlalchemy import Engine, and_, func, select
+from sqlalchemy.orm import Session
+
+from agent.archive.models import EventRecord, ProbeRunRecord
+from agent.health.rules import Finding
+
+HEALTH_CHANGE = "health_change"
+HEALTH_CLEAR = "health_clear"
+
+
+@dataclass(frozen=True, slots=True)
+class ProbeIdentity:
+    """What makes two results comparable: the probe, its size, the device model and the stack."""
+
+    workload: str
+    precision: str
+    optimization: str
+    size: str
+    model: str
+    stack_id: str
+
+    @property
+    def name(self) -> str:
+        return f"{self.workload} {self.precision} {self.optimization}"
+
+
+@dataclass(frozen=True, slots=True)
+class OwnResult:
+    ended_at: float
+    steady: float | None
+    ratio: float | None
+    unit: str
+
+
+@dataclass(frozen=True, slots=True)
+class Baseline:
+    """The peers' medians: other devices' latest results of the same identity."""
+
+    steady: float | None
+    ratio: float | None
+    peers: int
+
+
+@dataclass(frozen=True, slots=True)
+class Clear:
+    """An operator's acknowledgement (``sustain health clear``)."""
+
+    id: str
+    device: str
+    at: float
+    reasons: tuple[str, ...]
+    by: str
+    why: str
+
+
+@dataclass(frozen=True, slots=True)
+class Recorded:
+    """The last verdict the agent recorded for one device."""
+
+    device: str
+    label: str
+    uuid: str
+    name: str
+    at: float
+    state: str
+    findings: tuple[dict[str, Any], ...]
+
+
+def _time(value: datetime) -> float:
+    return (value if value.tzinfo else value.replace(tzinfo=UTC)).timestamp()
+
+
+def _at(timestamp: float) -> datetime:
+    return datetime.fromtimestamp(timestamp, UTC)
+
+
+def baseline(
+    engine: Engine, identity: ProbeIdentity, node: str, device: str, since: float
+) -> Baseline:
+    """The medians of the latest ok solo result of every other device with ``identity``
+    (ended after ``since``), on any node of the archive."""
+    record = ProbeRunRecord
+    matching = and_(
+        record.outcome == "ok",
+        record.scope == "device",
+        record.steady_throughput.is_not(None),
+        record.workload == identity.workload,
+        record.precision == identity.precision,
+        record.optimization == identity.optimization,
+        func.coalesce(record.size, "default") == identity.size,
+        record.device_model == identity.model,
+        record.stack_id == identity.stack_id,
+        record.ended_at >= _at(since),
+        ~and_(record.node == node, record.device == device),
+    )
+    last = (
+        select(record.node, record.device, func.max(record.ended_at).label("last"))
+        .where(matching)
+        .group_by(record.node, record.device)
+        .subquery()
+    )
+    statement = (
+        select(record.steady_throughput, record.sustained_ratio)
+        .join(
+            last,
+            and_(
+                record.node == last.c.node,
+                record.device == last.c.device,
+                record.ended_at == last.c.last,
+            ),
+        )
+        .where(matching)
+    )
+    with engine.connect() as connection:
+        rows = connection.execute(statement).all()
+    steady = [float(row[0]) for row in rows if row[0] is not None]
+    ratios = [float(row[1]) for row in rows if row[1] is not None]
+    return Baseline(
+        steady=statistics.median(steady) if steady else None,
+        ratio=statistics.median(ratios) if ratios else None,
+        peers=len(rows),
+    )
+
+
+def own_results(
+    engine: Engine, node: str, runs: int, since: float
+) -> dict[tuple[str, str, ProbeIdentity], list[OwnResult]]:
+    """Each device's (key, label) latest ``runs`` ok solo results per identity, oldest first."""
+    record = ProbeRunRecord
+    statement = (
+        select(
+            record.device,
+            record.device_label,
+            record.workload,
+            record.precision,
+            record.optimization,
+            record.size,
+            record.device_model,
+            record.stack_id,
+            record.ended_at,
+            record.steady_throughput,
+            record.sustained_ratio,
+            record.unit,
+        )
+        .where(
+            record.node == node,
+            record.outcome == "ok",
+            record.scope == "device",
+            record.steady_throughput.is_not(None),
+            record.device_model.is_not(None),
+            record.stack_id.is_not(None),
+            record.ended_at >= _at(since),
+        )
+        .order_by(record.ended_at.desc())
+    )
+    found: dict[tuple[str, str, ProbeIdentity], list[OwnResult]] = {}
+    with engine.connect() as connection:
+        for row in connection.execute(statement):
+            identity = ProbeIdentity(
+                row.workload,
+                row.precision,
+                row.optimization,
+                row.size or "default",
+                row.device_model,
+                row.stack_id,
+            )
+            results = found.setdefault((row.device, row.device_label, identity), [])
+            if len(results) < runs and row.ended_at is not None:
+                results.append(
+                    OwnResult(
+                        _time(row.ended_at),
+                        row.steady_throughput,
+                        row.sustained_ratio,
+                        row.unit or "",
+                    )
+                )
+    return {key: results[::-1] for key, results in found.items()}
+
+
+def _events(engine: Engine, node: str, kinds: Sequence[str], since: float) -> list[EventRecord]:
+    statement = (
+        select(EventRecord)
+        .where(
+            EventRecord.node == node,
+            EventRecord.kind.in_(kinds),
+            EventRecord.occurred_at >= _at(since),
+        )
+        .order_by(EventRecord.occurred_at, EventRecord.id)
+    )
+    with Session(engine) as session:
+        return list(session.scalars(statement))
+
+
+def _attributes(event: EventRecord) -> dict[str, Any]:
+    try:
+        value = json.loads(event.attributes or "{}")
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def clears(engine: Engine, node: str, since: float) -> list[Clear]:
+    """The acknowledgements recorded for ``node`` since ``since``, oldest first."""
+    found = []
+    for event in _events(engine, node, (HEALTH_CLEAR,), since):
+        attributes = _attributes(event)
+        reasons = tuple(filter(None, str(attributes.get("reasons", "")).split(",")))
+        found.append(
+            Clear(
+                event.event_id,
+                event.device,
+                _time(event.occurred_at),
+                reasons,
+                str(attributes.get("by", "")),
+                str(attributes.get("why", "")),
+            )
+        )
+    return found
+
+
+def xids(engine: Engine, node: str, since: float) -> list[tuple[str, float, int]]:
+    """The XID events of ``node`` since ``since``: (device UUID, time, XID)."""
+    found = []
+    for event in _events(engine, node, ("xid",), since):
+        try:
+            xid = int(_attributes(event).get("xid", ""))
+        except ValueError:
+            continue
+        found.append((event.device, _time(event.occurred_at), xid))
+    return found
+
+
+def recorded(engine: Engine, node: str) -> dict[str, Recorded]:
+    """The last recorded verdict of each device of ``node``."""
+    record = EventRecord
+    last = (
+        select(record.device, func.max(record.occurred_at).label("last"))
+        .where(record.node == node, record.kind == HEALTH_CHANGE)
+        .group_by(record.device)
+        .subquery()
+    )
+    statement = (
+        select(record)
+        .join(last, and_(record.device == last.c.device, record.occurred_at == last.c.last))
+        .where(record.node == node, record.kind == HEALTH_CHANGE)
+        .order_by(record.id)
+    )
+    found: dict[str, Recorded] = {}
+    with Session(engine) as session:
+        for event in session.scalars(statement):
+            attributes = _attributes(event)
+            try:
+                findings = json.loads(str(attributes.get("findings", "[]")))
+            except ValueError:
+                findings = []
+            found[event.device] = Recorded(
+                device=event.device,
+                label=str(attributes.get("device", "")),
+                uuid=str(attributes.get("uuid", "")),
+                name=str(attributes.get("name", event.device)),
+                at=_time(event.occurred_at),
+                state=str(attributes.get("state", "")),
+                findings=tuple(item for item in findings if isinstance(item, dict)),
+            )
+    return found
+
+
+def below_baseline(
+    identity: ProbeIdentity,
+    own: Sequence[OwnResult],
+    base: Baseline,
+    *,
+    threshold: float,
+    runs: int,
+    min_peers: int,
+) -> Finding | None:
+    """``below_fleet_baseline`` when the device's last ``runs`` results are all more than
+    ``threshold`` under the peers' median steady throughput (or sustained ratio)."""
+    if base.peers < min_peers or len(own) < runs:
+        return None
+    recent = own[-runs:]
+    for what, median, values, unit in (
+        ("steady throughput", base.steady, [r.steady for r in recent], f" {recent[-1].unit}"),
+        ("sustained ratio", base.ratio, [r.ratio for r in recent], ""),
+    ):
+        if median is None or median <= 0:
+            continue
+        if all(value is not None and value < median * (1 - threshold) for value in values):
+            last = values[-1]
+            assert last is not None
+            return Finding(
+                "below_fleet_baseline",
+                "degraded",
+                f"{identity.name}: {what} {last:.4g}{unit.rstrip()} is {1 - last / median:.0%} "
+                f"under the peers' median {median:.4g}{unit.rstrip()} ({base.peers} peers: "
+                f"{identity.model}, same stack and size; {runs} runs in a row)",
+                recent[-1].ended_at,
+            )
+    return None
