@@ -18,6 +18,7 @@ from panels import (
     stat,
     table,
     thresholds,
+    throughput,
     timeseries,
 )
 
@@ -59,6 +60,7 @@ def fleet() -> Json:
     )
 
     _agents(board)
+    _health(board)
     _capacity(board)
     _outliers(board)
     _throttling(board)
@@ -140,9 +142,37 @@ def _agents(board: Board) -> None:
     )
 
 
+def _health(board: Board) -> None:
+    board.row("Health")
+    board.add(
+        stat(
+            "Devices not healthy",
+            "Devices (GPUs, MIG devices, CPUs) whose health verdict is degraded or unhealthy "
+            "(listed below): the fleet's one is-it-good number, before and after an upgrade.",
+            [Q(f'sum(state:sustain_device_health:count{{{JOB}, state!="healthy"}}) or vector(0)')],
+            steps=thresholds((None, "green"), (1, "orange")),
+        ),
+        6,
+        6,
+    )
+    board.add(
+        table(
+            "Devices not healthy, and why",
+            "Every reason a device is degraded or unhealthy now (docs/health.md); "
+            "`sustain health` on the node gives the evidence.",
+            [Q(f"sustain_device_health_reason{{{JOB}}} == 1")],
+            columns={"instance": "Node", "device": "Device", "uuid": "UUID", "reason": "Reason"},
+            sort_by="Node",
+            descending=False,
+        ),
+        18,
+        6,
+    )
+
+
 def _capacity(board: Board) -> None:
     board.row("Capacity: sustained throughput per GPU model")
-    steady = f'sustain_probe_throughput{{{JOB_PROBE}, {SOLO}, stat="steady"}} * {WITH_MODEL}'
+    steady = throughput(JOB_PROBE, SOLO, 'stat="steady"') + f" * {WITH_MODEL}"
     capacity = "name, workload, precision, optimization, unit"
     board.add(
         table(

@@ -22,6 +22,7 @@ from panels import (
     table,
     text,
     thresholds,
+    throughput,
     timeseries,
     value_map,
 )
@@ -30,6 +31,9 @@ GPU = 'instance=~"$instance", device=~"$device"'
 HOST = 'instance=~"$instance"'
 
 HEALTH = value_map({"1": ("healthy", "green"), "0": ("lost", "red")})
+VERDICT = value_map(
+    {"0": ("healthy", "green"), "1": ("degraded", "orange"), "2": ("unhealthy", "red")}
+)
 UP = value_map({"1": ("up", "green"), "0": ("down", "red")})
 
 UTILIZATION_NOTE = """\
@@ -336,9 +340,12 @@ def _utilization(board: Board) -> None:
             "'p10' in the legend (steady ones say 'steady').",
             [
                 Q(
-                    f'sustain_probe_throughput{{{GPU}, {SOLO}, stat="steady"}} or '
-                    f'(sustain_probe_throughput{{{GPU}, {SOLO}, stat="p10"}} unless ignoring(stat) '
-                    f'sustain_probe_throughput{{{GPU}, {SOLO}, stat="steady"}})',
+                    throughput(GPU, SOLO, 'stat="steady"')
+                    + " or ("
+                    + throughput(GPU, SOLO, 'stat="p10"')
+                    + " unless ignoring(stat) "
+                    + throughput(GPU, SOLO, 'stat="steady"')
+                    + ")",
                     "GPU {{device}} {{workload}} {{precision}} {{optimization}} {{stat}} "
                     "({{unit}})",
                 ),
@@ -361,9 +368,10 @@ def _node_wide(board: Board) -> None:
     # series of its own), so that a device left out of it, or a CPU probe, is not in the sum.
     solo_sum = (
         f"sum by (instance, {probe}, unit) ("
-        f'sustain_probe_throughput{{{HOST}, {SOLO}, stat="steady"}}'
-        f" and on (instance, device, {probe}, unit) "
-        f'sustain_probe_throughput{{{node_wide}, device!="node"}})'
+        + throughput(HOST, SOLO, 'stat="steady"')
+        + f" and on (instance, device, {probe}, unit) "
+        + throughput(node_wide, 'device!="node"')
+        + ")"
     )
     board.add(
         timeseries(
@@ -374,7 +382,7 @@ def _node_wide(board: Board) -> None:
             "shared power budget, airflow, PCIe, host memory and CPUs.",
             [
                 Q(
-                    f'sustain_probe_throughput{{{node_wide}, device="node"}}',
+                    throughput(node_wide, 'device="node"'),
                     "node-wide {{workload}} {{precision}} {{optimization}} ({{unit}})",
                 ),
                 Q(solo_sum, "sum of solo {{workload}} {{precision}} {{optimization}} ({{unit}})"),
@@ -561,7 +569,38 @@ def _errors_and_health(board: Board) -> None:
     board.row("Errors and health")
     board.add(
         state_timeline(
-            "Device health",
+            "Health verdict",
+            "Each device's verdict (docs/health.md): healthy, degraded or unhealthy; the CPU "
+            "and each MIG device too. The reasons are in the table beside it and in "
+            "`sustain health` on the node.",
+            [
+                Q(
+                    "max by (instance, device, uuid) ("
+                    f'sustain_device_health{{{GPU}, state="unhealthy"}} * 2 '
+                    f'or sustain_device_health{{{GPU}, state="degraded"}})',
+                    "{{device}} {{uuid}}",
+                )
+            ],
+            mappings=VERDICT,
+        ),
+        12,
+        6,
+    )
+    board.add(
+        table(
+            "Health reasons now",
+            "Every reason a device is degraded or unhealthy now (acknowledged ones aside).",
+            [Q(f"sustain_device_health_reason{{{GPU}}} == 1")],
+            columns={"device": "Device", "uuid": "UUID", "reason": "Reason"},
+            sort_by="Device",
+            descending=False,
+        ),
+        12,
+        6,
+    )
+    board.add(
+        state_timeline(
+            "GPU answering",
             "Red while NVML reports the GPU lost.",
             [Q(f"sustain_gpu_healthy{{{GPU}}}", "GPU {{device}}")],
             mappings=HEALTH,

@@ -593,7 +593,36 @@ class Board:
 
 # --- probe series (sustain / Probes, sustain / Stack and drift) ----------------------------
 
-# sustain_probe_throughput holds solo runs (scope="device") and node-wide runs (scope="node": each
+# Throughput has one family per unit (sustain_probe_flops, sustain_probe_bytes_per_second,
+# sustain_probe_tokens_per_second: docs/metrics.md). A panel over every probe takes the three
+# together, each with its unit as a `unit` label for the legends, tables and `by` clauses; the
+# workloads have one unit each, so no aggregation by workload mixes them.
+THROUGHPUT_UNITS = (
+    ("sustain_probe_flops", "FLOP/s"),
+    ("sustain_probe_bytes_per_second", "B/s"),
+    ("sustain_probe_tokens_per_second", "tokens/s"),
+)
+WORK_PER_JOULE_UNITS = (
+    ("sustain_probe_flop_per_joule", "FLOP/J"),
+    ("sustain_probe_bytes_per_joule", "B/J"),
+    ("sustain_probe_tokens_per_joule", "tokens/J"),
+)
+
+
+def throughput(*matchers: str, families: tuple[tuple[str, str], ...] = THROUGHPUT_UNITS) -> str:
+    """Every family of ``families`` under ``matchers``, each labelled with its unit."""
+    selector = ", ".join(matchers)
+    return (
+        "("
+        + " or ".join(
+            f'label_replace({name}{{{selector}}}, "unit", "{unit}", "", "")'
+            for name, unit in families
+        )
+        + ")"
+    )
+
+
+# Each throughput family holds solo runs (scope="device") and node-wide runs (scope="node": each
 # device while every device of the node worked, and device="node" for their sum). A panel of solo
 # results selects SOLO, or node-wide figures land on the same device and probe and mix in.
 # Not scope="device": series of agents from before the label (a fleet mid-upgrade, history

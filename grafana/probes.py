@@ -14,6 +14,7 @@ from panels import (
     PROBE_LABELS,
     PROBE_LEGEND,
     SOLO,
+    WORK_PER_JOULE_UNITS,
     Board,
     Json,
     Q,
@@ -25,6 +26,7 @@ from panels import (
     state_timeline,
     table,
     thresholds,
+    throughput,
     timeseries,
     value_map,
 )
@@ -78,8 +80,8 @@ def probes() -> Json:
 def _plan_with(by: str) -> str:
     """The figure a planner can use: steady where the run has one, else its windowed p10."""
     return (
-        f'{by} (sustain_probe_throughput{{{PROBE}, {SOLO}, stat="steady"}})'
-        f' or {by} (sustain_probe_throughput{{{PROBE}, {SOLO}, stat="p10"}})'
+        f"{by} (" + throughput(PROBE, SOLO, 'stat="steady"') + f")"
+        f" or {by} (" + throughput(PROBE, SOLO, 'stat="p10"') + ")"
     )
 
 
@@ -94,17 +96,17 @@ def _sustained_against_peak(board: Board) -> None:
             "windows, stated even for a run that never settled. Plan with: the steady value "
             "where there is one, else the p10, as Basis says. In the probe's unit.",
             [
-                Q(f'{by} (sustain_probe_throughput{{{PROBE}, {SOLO}, stat="peak"}})'),
-                Q(f'{by} (sustain_probe_throughput{{{PROBE}, {SOLO}, stat="steady"}})'),
+                Q(f"{by} (" + throughput(PROBE, SOLO, 'stat="peak"') + ")"),
+                Q(f"{by} (" + throughput(PROBE, SOLO, 'stat="steady"') + ")"),
                 Q(
-                    f'{by} (sustain_probe_throughput{{{PROBE}, {SOLO}, stat="steady"}})'
-                    f' / {by} (sustain_probe_throughput{{{PROBE}, {SOLO}, stat="peak"}})'
+                    f"{by} (" + throughput(PROBE, SOLO, 'stat="steady"') + f")"
+                    f" / {by} (" + throughput(PROBE, SOLO, 'stat="peak"') + ")"
                 ),
-                Q(f'{by} (sustain_probe_throughput{{{PROBE}, {SOLO}, stat="p10"}})'),
+                Q(f"{by} (" + throughput(PROBE, SOLO, 'stat="p10"') + ")"),
                 Q(_plan_with(by)),
                 Q(
-                    f'{by} (sustain_probe_throughput{{{PROBE}, {SOLO}, stat="steady"}}) * 0 + 1'
-                    f' or {by} (sustain_probe_throughput{{{PROBE}, {SOLO}, stat="p10"}}) * 0'
+                    f"{by} (" + throughput(PROBE, SOLO, 'stat="steady"') + f") * 0 + 1"
+                    f" or {by} (" + throughput(PROBE, SOLO, 'stat="p10"') + ") * 0"
                 ),
             ],
             columns=PROBE_COLUMNS
@@ -152,11 +154,11 @@ def _sustained_against_peak(board: Board) -> None:
             "Each run's peak (dashed) and steady throughput. Orange marks: stack changes.",
             [
                 Q(
-                    f'sustain_probe_throughput{{{PROBE}, {SOLO}, stat="peak"}}',
+                    throughput(PROBE, SOLO, 'stat="peak"'),
                     f"{PROBE_LEGEND} peak ({{{{unit}}}})",
                 ),
                 Q(
-                    f'sustain_probe_throughput{{{PROBE}, {SOLO}, stat="steady"}}',
+                    throughput(PROBE, SOLO, 'stat="steady"'),
                     f"{PROBE_LEGEND} steady ({{{{unit}}}})",
                 ),
             ],
@@ -333,8 +335,8 @@ def _efficiency_and_latency(board: Board) -> None:
             "energy on the CPU), in the probe's work unit per joule.",
             [
                 Q(
-                    f"sustain_probe_work_per_joule{{{PROBE}}}",
-                    f"{PROBE_LEGEND} ({{{{work_unit}}}}/J)",
+                    throughput(PROBE, families=WORK_PER_JOULE_UNITS),
+                    f"{PROBE_LEGEND} ({{{{unit}}}})",
                 )
             ],
             unit="short",

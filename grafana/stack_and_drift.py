@@ -23,6 +23,7 @@ from panels import (
     stat,
     table,
     thresholds,
+    throughput,
     timeseries,
     value_map,
 )
@@ -69,7 +70,7 @@ def _throughput(board: Board) -> None:
             "stack changed. Purple marks: the first result after a lasting change (drift).",
             [
                 Q(
-                    f'sustain_probe_throughput{{{PROBE}, {SOLO}, stat="steady"}}',
+                    throughput(PROBE, SOLO, 'stat="steady"'),
                     f"{PROBE_LEGEND} ({{{{unit}}}})",
                 )
             ],
