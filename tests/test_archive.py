@@ -30,6 +30,7 @@ from agent.archive.database import (
     upgrade,
 )
 from agent.archive.models import Base, ProbeRunRecord, TelemetryRollup
+from agent.archive.partitions import include_name
 from agent.archive.rollups import RollupWriter
 from agent.telemetry.rollup import RollupRow
 
@@ -76,7 +77,7 @@ def test_upgrade_creates_the_schema_at_head(database_url: str) -> None:
     try:
         assert current_revision(engine) is None
         upgrade(engine)
-        assert current_revision(engine) == head_revision() == "0009"
+        assert current_revision(engine) == head_revision() == "0010"
         tables = set(inspect(engine).get_table_names())
         assert {"telemetry_rollups", "events", "alembic_version"} <= tables
     finally:
@@ -121,7 +122,9 @@ def test_concurrent_upgrades_take_turns(database_url: str) -> None:
 
 def test_migrations_build_exactly_the_models(archive_engine: Engine) -> None:
     with archive_engine.connect() as connection:
-        context = MigrationContext.configure(connection, opts={"compare_type": True})
+        context = MigrationContext.configure(
+            connection, opts={"compare_type": True, "include_name": include_name}
+        )
         assert compare_metadata(context, Base.metadata) == []
     # Names come from the naming convention, the same on both backends.
     inspector = inspect(archive_engine)

@@ -17,6 +17,7 @@ import logging
 import os
 import re
 import sqlite3
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 from urllib.parse import unquote
@@ -30,6 +31,7 @@ from sqlalchemy import Connection, Engine, create_engine, event
 from sqlalchemy.engine import URL
 from sqlalchemy.exc import ArgumentError, NoSuchModuleError, SQLAlchemyError
 
+from agent.archive import partitions
 from agent.config import database_url
 
 log = logging.getLogger(__name__)
@@ -153,9 +155,16 @@ def _create_engine(parsed: URL, **options: Any) -> Engine:
 
 
 def _postgresql_engine(parsed: URL) -> Engine:
-    # A server that drops packets must fail start-up in seconds, not hang it.
+    # A server that drops packets must fail start-up in seconds, not hang it. No server-side
+    # prepared statements (psycopg prepares a query after 5 runs): behind PgBouncer in
+    # transaction mode, how a fleet shares its connections (docs/scale.md), the next transaction
+    # may run on another server connection, where the statement is missing or taken, and the
+    # error would set the item aside as rejected. What they save, a parse and plan of each
+    # statement, is small beside the round trips and the commit.
     return _create_engine(
-        parsed, pool_pre_ping=True, connect_args={"connect_timeout": CONNECT_TIMEOUT_S}
+        parsed,
+        pool_pre_ping=True,
+        connect_args={"connect_timeout": CONNECT_TIMEOUT_S, "prepare_threshold": None},
     )
 
 
@@ -185,6 +194,9 @@ def open_engine(url: str) -> Engine:
         event.listen(engine, "begin", _on_sqlite_begin)
     else:
         engine = _postgresql_engine(parsed)
+        # The monthly partitions a committed transaction made exist for good; see partitions.
+        event.listen(engine, "commit", partitions.remember)
+        event.listen(engine, "rollback", partitions.forget)
     try:
         with engine.connect() as connection:
             if backend == "sqlite":
@@ -284,6 +296,11 @@ def upgrade(engine: Engine, revision: str = "head") -> None:
                     "sustain never downgrades the archive"
                 )
             command.upgrade(_alembic_config(connection), target)
+            if connection.dialect.name == "postgresql" and partitions.is_partitioned(
+                connection, "probe_runs"
+            ):
+                # This month's partitions and the next ones, before the first write needs them.
+                partitions.ensure_around(connection, datetime.now(UTC))
     except (SQLAlchemyError, CommandError) as exc:  # CommandError: a revision this agent lacks
         raise archive_error("migrate database", engine, exc) from exc
 

@@ -11,6 +11,7 @@ from sqlalchemy import Connection, Engine
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import SQLAlchemyError
 
+from agent.archive import partitions
 from agent.archive.database import archive_error
 from agent.archive.models import EventRecord
 from collectors.base import Event
@@ -25,7 +26,7 @@ class EventWriter:
         insert = postgresql.insert if engine.dialect.name == "postgresql" else sqlite.insert
         self._insert = (
             insert(EventRecord)
-            .on_conflict_do_nothing(index_elements=["event_id"])
+            .on_conflict_do_nothing(index_elements=["event_id", "occurred_at"])
             .returning(EventRecord.id)
         )
 
@@ -54,4 +55,6 @@ class EventWriter:
         """Store ``events`` in ``connection``'s transaction; return how many were new."""
         if not events:
             return 0
-        return len(connection.execute(self._insert, [self._values(e) for e in events]).all())
+        values = [self._values(e) for e in events]
+        partitions.ensure_for(connection, "events", [v["occurred_at"] for v in values])
+        return len(connection.execute(self._insert, values).all())

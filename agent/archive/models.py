@@ -114,7 +114,9 @@ class EventRecord(Base):
 
     __tablename__ = "events"
     __table_args__ = (
-        UniqueConstraint("event_id", name="event_id"),
+        # With the time: PostgreSQL partitions the table by it (agent.archive.partitions), and a
+        # partitioned table's unique keys must hold the partition key. An event keeps its time.
+        UniqueConstraint("event_id", "occurred_at", name="event_id"),
         Index(None, "node", "occurred_at"),
         Index(None, "kind", "occurred_at"),
     )
@@ -144,7 +146,9 @@ class ProbeRunRecord(Base):
 
     __tablename__ = "probe_runs"
     __table_args__ = (
-        UniqueConstraint("run_id", name="run_id"),
+        # With the start: PostgreSQL partitions the table by it (migration 0010); a run's start
+        # and end are both written with the same start, so the key still finds the run.
+        UniqueConstraint("run_id", "started_at", name="run_id"),
         CheckConstraint(
             "outcome IN ('running', 'ok', 'failed', 'timeout', 'unsupported', 'skipped', "
             "'aborted', 'preempted')",
@@ -256,12 +260,15 @@ class ProbeSeriesRecord(Base):
     """The raw iterations of one run (JSON), kept for audit and re-analysis."""
 
     __tablename__ = "probe_series"
-    __table_args__ = (UniqueConstraint("run_id", name="run_id"),)
+    __table_args__ = (UniqueConstraint("run_id", "started_at", name="run_id"),)
 
     id: Mapped[int] = mapped_column(
         BigInteger().with_variant(Integer, "sqlite"), primary_key=True, autoincrement=True
     )
     run_id: Mapped[str] = mapped_column(String(32))
+    # The run's start (migration 0010): PostgreSQL partitions the series by month as it does
+    # the runs, so that retention drops both a month at a time.
+    started_at: Mapped[datetime] = mapped_column(UTCDateTime())
     iterations: Mapped[str] = mapped_column(Text)
 
 

@@ -17,6 +17,7 @@ from sqlalchemy import Connection, Engine, and_, func, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import SQLAlchemyError
 
+from agent.archive import partitions
 from agent.archive.database import archive_error
 from agent.archive.models import ProbeRunRecord, ProbeSeriesRecord
 from agent.probes.analysis import RunAnalysis
@@ -150,26 +151,48 @@ class ProbeRunWriter:
 
     def apply(self, connection: Connection, kind: str, payload: dict[str, Any]) -> None:
         """Store a "probe_start" or "probe_finish" payload in ``connection``'s transaction."""
+        # A run is found by its id alone. The unique key is the id with the start (the partition
+        # key on PostgreSQL), but the start row holds the time the scheduler began the run and
+        # the end the child's own start, so the end updates the row by id (moving it to its
+        # month's partition if need be) and inserts only a run that never had a start.
+        key = ["run_id", "started_at"]
+        exists = select(ProbeRunRecord.id).where(ProbeRunRecord.run_id == payload.get("run_id"))
         if kind == "probe_start":
             values = _with_times(payload)
+            if connection.execute(exists).first() is not None:
+                return  # replayed after its end was written
+            partitions.ensure_for(connection, "probe_runs", [values["started_at"]])
             connection.execute(
                 self._insert(ProbeRunRecord)
                 .values(values)
-                .on_conflict_do_nothing(index_elements=["run_id"])
+                .on_conflict_do_nothing(index_elements=key)
             )
             return
         values = _with_times(payload["run"])
-        changed = {name: value for name, value in values.items() if name != "run_id"}
-        connection.execute(
-            self._insert(ProbeRunRecord)
-            .values(values)
-            .on_conflict_do_update(index_elements=["run_id"], set_=changed)
-        )
+        # The series first: the run's row fires the summary's trigger (agent.archive.summary),
+        # whose row locks every finish of a model and day shares; they are then held only for
+        # the run's update and the commit, not while the series (tens of KB) is sent.
         if payload["series"]:
+            partitions.ensure_for(connection, "probe_series", [values["started_at"]])
             connection.execute(
                 self._insert(ProbeSeriesRecord)
-                .values(run_id=values["run_id"], iterations=json.dumps(payload["series"]))
-                .on_conflict_do_nothing(index_elements=["run_id"])
+                .values(
+                    run_id=values["run_id"],
+                    started_at=values["started_at"],
+                    iterations=json.dumps(payload["series"]),
+                )
+                .on_conflict_do_nothing(index_elements=key)
+            )
+        partitions.ensure_for(connection, "probe_runs", [values["started_at"]])
+        changed = {name: value for name, value in values.items() if name != "run_id"}
+        updated = connection.execute(
+            update(ProbeRunRecord).where(ProbeRunRecord.run_id == values["run_id"]).values(changed)
+        ).rowcount
+        if not updated:
+            connection.execute(
+                self._insert(ProbeRunRecord)
+                .values(values)
+                .on_conflict_do_update(index_elements=key, set_=changed)
             )
 
     def start(self, run_id: str, spec: ProbeSpec, started_at: float) -> None:

@@ -15,6 +15,7 @@ from sqlalchemy import Connection, Engine, delete
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import SQLAlchemyError
 
+from agent.archive import partitions
 from agent.archive.database import archive_error
 from agent.archive.models import TelemetryRollup
 from agent.telemetry.rollup import RollupRow
@@ -68,7 +69,9 @@ class RollupWriter:
             return 0
         # RETURNING yields only the rows inserted, whereas rowcount is unreliable for
         # executemany across drivers.
-        return len(connection.execute(self._insert, [self._values(row) for row in rows]).all())
+        values = [self._values(row) for row in rows]
+        partitions.ensure_for(connection, "telemetry_rollups", [v["period_start"] for v in values])
+        return len(connection.execute(self._insert, values).all())
 
     def delete_older_than(self, cutoff: datetime) -> int:
         """Delete this node's rollups of periods that started before ``cutoff`` (an aware time).

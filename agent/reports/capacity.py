@@ -49,6 +49,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.sql.expression import UnaryExpression
 from sqlalchemy.sql.operators import custom_op
 
+from agent.archive import summary
 from agent.archive.database import archive_error
 from agent.archive.models import RESULT_GROUP, UTCDateTime
 from agent.reports.specs import spec_peak
@@ -154,11 +155,14 @@ def capacity(
                 # SQLite's transaction sees one snapshot; PostgreSQL's default, one per query.
                 connection.execution_options(isolation_level="REPEATABLE READ")
             conditions = _conditions(filters, since, sqlite=not postgresql)
-            groups = _summaries(connection, by, conditions)
-            if postgresql:
-                quantiles = _quantiles_in_sql(connection, by, conditions)
+            if postgresql and by in summary.GROUPINGS and _summarised(connection):
+                groups, quantiles = _from_summary(connection, by, filters, since)
             else:
-                quantiles = _quantiles_by_rank(connection, by, since, groups)
+                groups = _summaries(connection, by, conditions)
+                if postgresql:
+                    quantiles = _quantiles_in_sql(connection, by, conditions)
+                else:
+                    quantiles = _quantiles_by_rank(connection, by, since, groups)
             rows = [
                 _row(key, group, quantiles[key])
                 for key, group in groups.items()
@@ -251,6 +255,8 @@ class _Group:
     results: int = 0
     devices: set[tuple[str, str]] = field(default_factory=set)
     models: set[str | None] = field(default_factory=set)
+    device_count: int | None = None
+    """The number of devices where it is known without them (the summary's)."""
 
 
 def _keys(by: str) -> list[ColumnElement[Any]]:
@@ -357,6 +363,122 @@ def _quantiles_by_rank(
     return quantiles
 
 
+def _summarised(connection: Connection) -> bool:
+    """Whether the database keeps the daily summary (PostgreSQL since migration 0010)."""
+    found = connection.exec_driver_sql("SELECT to_regclass('probe_result_days')").scalar()
+    return found is not None
+
+
+def _unblank(value: str) -> str | None:
+    return value or None  # the summary keeps NULL keys as ''
+
+
+def _key(names: Sequence[Any], group: str) -> Key:
+    """A group's key from the summary's columns (RESULT_GROUP, the group), NULLs restored."""
+    values = (
+        _unblank(v) if n in _NULLABLE else v for n, v in zip(RESULT_GROUP, names, strict=True)
+    )
+    return (*values, _unblank(group))
+
+
+def _from_summary(
+    connection: Connection, by: str, filters: dict[str, str | None], since: datetime | None
+) -> tuple[dict[Key, _Group], dict[Key, tuple[float, float]]]:
+    """PostgreSQL at fleet scale: the counts from the daily summary (agent.archive.summary),
+    each quantile's exact value read from the results of the one bucket that holds its rank.
+
+    The days after ``since``'s are the summary's; the rest of ``since``'s own day is counted
+    from the results (one day at most). The answer is that of ``_summaries`` and
+    ``_quantiles_in_sql`` over the same results (tests/test_fleet_scale.py compares them).
+    """
+    wanted = {name: value for name, value in filters.items() if value is not None}
+    parameters: dict[str, Any] = {"grouping": by, **wanted}
+    if since is not None:
+        first_day = since.astimezone(UTC).date()
+        parameters |= {
+            "since": since,
+            "first_day": first_day,
+            "next_day": datetime.combine(first_day + timedelta(days=1), datetime.min.time(), UTC),
+        }
+    buckets: dict[Key, dict[int, int]] = {}
+    query = summary.counts_query(by, list(wanted), since=since is not None)
+    for row in connection.execute(query, parameters):
+        *names, group, bucket, count = row
+        counts = buckets.setdefault(_key(names, group), {})
+        counts[bucket] = counts.get(bucket, 0) + int(count)
+    groups: dict[Key, _Group] = {}
+    query = summary.devices_query(list(wanted), since=since is not None)
+    for row in connection.execute(query, parameters):
+        *names, group, devices, low, high = row
+        key = _key(names, group)
+        results = sum(buckets.get(key, {}).values())
+        if results <= 0:
+            continue
+        found = _Group(results=results, device_count=int(devices))
+        found.models = {_unblank(low), _unblank(high)}
+        groups[key] = found
+    return groups, _quantiles_in_buckets(connection, by, groups, buckets, since)
+
+
+RANK_BATCH = 100
+"""Quantile lookups per statement (agent.archive.summary.rank_query)."""
+
+
+def _quantiles_in_buckets(
+    connection: Connection,
+    by: str,
+    groups: dict[Key, _Group],
+    buckets: dict[Key, dict[int, int]],
+    since: datetime | None,
+) -> dict[Key, tuple[float, float]]:
+    """Each group's quantiles: for each, the bucket that holds its rank (from the counts), then
+    the two values around the rank, read from an index in (bucket, value) order from there; the
+    lookups of every group of one shape (which keys are NULL) in one statement."""
+    lookups: list[tuple[Key, float, dict[str, Any]]] = []  # (group, position, parameters)
+    for key in groups:
+        counts = buckets[key]
+        total = sum(counts.values())
+        for quantile in QUANTILES:
+            position = (total - 1) * quantile
+            rank = math.floor(position)
+            below, number = 0, min(counts)
+            for number in sorted(counts):
+                if below + counts[number] > rank:
+                    break
+                below += counts[number]
+            lookups.append((key, position, {"b": number, "o": rank - below}))
+    shapes: dict[tuple[bool, ...], list[int]] = {}
+    for index, (key, _, _) in enumerate(lookups):
+        shapes.setdefault(tuple(value is None for value in key), []).append(index)
+    values: dict[int, list[float]] = {}
+    for nulls, indexes in shapes.items():
+        for start in range(0, len(indexes), RANK_BATCH):
+            batch = indexes[start : start + RANK_BATCH]
+            parameters: dict[str, Any] = {} if since is None else {"since": since}
+            for j, index in enumerate(batch):
+                key, _, found = lookups[index]
+                parameters |= {f"l{j}_i": index, f"l{j}_b": found["b"], f"l{j}_o": found["o"]}
+                parameters |= {f"l{j}_k{i}": v for i, v in enumerate(key) if v is not None}
+            query = summary.rank_query(by, list(nulls), len(batch), since=since is not None)
+            for index, value in connection.execute(query, parameters):
+                values.setdefault(index, []).append(value)
+    quantiles: dict[Key, list[float]] = {}
+    for index, (key, position, _) in enumerate(lookups):
+        pair = sorted(values.get(index, []))
+        if not pair:  # the summary and the results disagree: never guess; the group is left out
+            quantiles[key] = []
+            continue
+        # PostgreSQL's own interpolation (percentile_cont's), so that the answer is the
+        # unsummarised query's to the last bit.
+        low, high = pair[0], pair[-1]
+        quantiles.setdefault(key, []).append(low + (high - low) * (position - math.floor(position)))
+    return {
+        key: (figures[0], figures[1])
+        for key, figures in quantiles.items()
+        if len(figures) == len(QUANTILES)
+    }
+
+
 def _lerp(low: float, high: float, fraction: float) -> float:
     """Linear interpolation as numpy's quantile does it (from the nearer end), to the last bit."""
     difference = high - low
@@ -378,7 +500,7 @@ def _row(key: Key, group: _Group, quantiles: tuple[float, float]) -> CapacityRow
         median=median,
         p10=p10,
         results=group.results,
-        devices=len(group.devices),
+        devices=len(group.devices) if group.device_count is None else group.device_count,
         spec_ratio=median / peak if peak else None,
     )
 

@@ -20,6 +20,7 @@ from sqlalchemy.types import TypeDecorator
 
 from agent.archive.database import ArchiveError, open_engine
 from agent.archive.models import Base
+from agent.archive.partitions import include_name
 
 URL_VARIABLE = "SUSTAIN_ARCHIVE__DATABASE_URL"
 
@@ -45,6 +46,7 @@ def _run(connection: Connection) -> None:
         # Batch operations work on both backends, and SQLite alters a table only by copying it.
         render_as_batch=True,
         render_item=_render_item,
+        include_name=include_name,
     )
     with context.begin_transaction():
         if connection.dialect.name == "postgresql":

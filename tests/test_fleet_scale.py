@@ -1,0 +1,495 @@
+"""Fleet scale on PostgreSQL (issue 18): the daily summary answers ``sustain capacity`` as the
+results do, retention drops monthly partitions and never deletes rows of a partitioned table,
+and an archive made by the previous revision keeps every row through the upgrade.
+
+Everything runs against the real PostgreSQL server (and SQLite where the behaviour is shared).
+"""
+
+from __future__ import annotations
+
+import re
+import uuid
+from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import pytest
+from sqlalchemy import Connection, Engine, event, text
+
+from agent.archive import partitions, summary
+from agent.archive.database import current_revision, head_revision, open_engine, upgrade
+from agent.archive.job import DAY, ArchiveJob, LocalRollups
+from agent.archive.probe_runs import ProbeRunWriter
+from agent.archive.sink import ArchiveSink
+from agent.archive.spool import Spool
+from agent.probes.runner import CPU, ProbeRun, ProbeSpec
+from agent.reports import capacity as capacity_module
+from agent.reports.capacity import CapacityRow, capacity
+from agent.telemetry.rollup import RollupBuilder
+from collectors.base import Field, Reading, Sample
+
+NOW = datetime.now(UTC).replace(microsecond=0)
+
+MODELS = ("'NVIDIA H100 80GB HBM3'", "'NVIDIA A100-SXM4-80GB'", "'NVIDIA L40S'", "NULL")
+STACKS = ("'stack-a'", "'stack-b'", "'stack-c'", "NULL")
+
+# 100,000 runs in SQL: about 9 in 10 analysed ok results, the rest failed, unanalysed or still
+# running; four models (one unknown), four stacks (one unknown), two workloads, three
+# precisions, sizes and units sometimes unrecorded (as in archives older than them), solo and
+# node-wide scopes, 904 devices (a node's GPUs are of one model), ended over the last 120
+# days (across four or five months).
+# Values: a few percent apart within a group, some exactly equal (ties), a few zero.
+SEED = """
+INSERT INTO probe_runs (run_id, node, device, device_label, workload, precision, optimization,
+  size, outcome, reason, started_at, ended_at, duration_seconds, iterations, unit, stderr_tail,
+  steady_throughput, device_model, stack_id, scope)
+SELECT 'seed-' || i, 'node-' || (i % 113), 'gpu-' || (i % 8), 'GPU ' || (i % 8),
+  (ARRAY['matmul', 'attention'])[1 + i % 2], (ARRAY['fp32', 'bf16', 'fp16'])[1 + i % 3],
+  'eager', CASE WHEN i % 17 = 0 THEN NULL ELSE 'default' END,
+  CASE WHEN i % 11 = 0 THEN 'failed' WHEN i % 97 = 0 THEN 'running' ELSE 'ok' END, '',
+  :now - make_interval(secs => (i * 104.3)::float8) - interval '2 minutes',
+  CASE WHEN i % 97 = 0 THEN NULL ELSE :now - make_interval(secs => (i * 104.3)::float8) END,
+  120, 100, CASE WHEN i % 13 = 0 THEN NULL ELSE 'FLOP/s' END, '',
+  CASE WHEN i % 23 = 0 THEN NULL WHEN i % 499 = 0 THEN 0
+       ELSE (1 + i % 3) * 1e14 * (1 + ((i * 7919) % 601) / 10000.0) END,
+  (ARRAY[{models}])[1 + (i % 113) % 4], (ARRAY[{stacks}])[1 + (i / 5) % 4],
+  CASE WHEN i % 5 = 0 THEN 'node' ELSE 'device' END
+FROM generate_series(1, :count) AS i
+""".format(models=", ".join(MODELS), stacks=", ".join(STACKS))
+
+
+def seed(connection: Connection, count: int) -> None:
+    oldest = NOW - timedelta(seconds=count * 104.3 + 600)
+    months = set()
+    day = oldest
+    while day <= NOW + timedelta(days=1):
+        months.add(partitions.month_of(day))
+        day += timedelta(days=1)
+    partitions.ensure(connection, "probe_runs", months)
+    connection.execute(text(SEED), {"now": NOW, "count": count})
+
+
+@pytest.fixture
+def fleet_engine(postgres_url: str) -> Iterator[Engine]:
+    engine = open_engine(postgres_url)
+    try:
+        upgrade(engine)
+        yield engine
+    finally:
+        engine.dispose()
+
+
+def unsummarised(engine: Engine, monkeypatch: pytest.MonkeyPatch, **query: Any) -> list[Any]:
+    """The query as it runs without the summary: every result read by PostgreSQL."""
+    with monkeypatch.context() as patch:
+        patch.setattr(capacity_module, "_summarised", lambda connection: False)
+        return capacity(engine, **query)
+
+
+def summary_snapshot(connection: Connection) -> dict[str, list[tuple[Any, ...]]]:
+    """Every summary table's rows, sorted; counts of zero (what was uncounted) left out."""
+    tables = {}
+    for table in summary.TABLES:
+        rows = connection.exec_driver_sql(f"SELECT * FROM {table}").mappings().all()
+        tables[table] = sorted(
+            tuple(str(value) for value in row.values()) for row in rows if row.get("results") != 0
+        )
+    return tables
+
+
+# Acceptance 1: the same answer as the unsummarised query
+
+
+def test_capacity_from_the_summary_is_the_answer_of_the_results(
+    fleet_engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """100,000 runs written with the trigger on: every grouping, filters and a ``since`` in the
+    middle of a day give the rows of the unsummarised query, to the last bit."""
+    with fleet_engine.begin() as connection:
+        seed(connection, 100_000)
+    called = []
+    original = capacity_module._from_summary
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        called.append(args[1])
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(capacity_module, "_from_summary", spy)
+    middle_of_a_day = (NOW - timedelta(days=40)).replace(hour=13, minute=17, second=5)
+    queries: list[dict[str, Any]] = [
+        {"by": "model"},
+        {"by": "stack"},
+        {"by": "model", "since": middle_of_a_day},
+        {"by": "stack", "since": middle_of_a_day, "precision": "bf16"},
+        {"by": "model", "workload": "attention", "scope": "node"},
+        {"by": "model", "size": "default", "since": NOW - timedelta(days=7)},
+    ]
+    for query in queries:
+        expected = unsummarised(fleet_engine, monkeypatch, **query)
+        got = capacity(fleet_engine, **query)
+        assert got == expected, query
+        assert len(got) > 10 or "workload" in query or "size" in query, (query, got)
+    assert called == [query["by"] for query in queries]  # the summary answered each
+    # The unknown model, unit, size and stack are groups of their own, in both.
+    rows = capacity(fleet_engine, by="model")
+    assert any(row.group is None for row in rows)
+    assert any(row.unit is None for row in rows)
+    assert any(row.size is None for row in rows)
+    total = sum(row.results for row in rows)
+    with fleet_engine.connect() as connection:
+        ok = connection.execute(
+            text("SELECT count(*) FROM probe_runs WHERE " + summary.RESULTS_WHERE)
+        ).scalar_one()
+    assert total == ok > 80_000
+
+
+def test_the_trigger_keeps_the_summary_as_a_rebuild_would(fleet_engine: Engine) -> None:
+    """Starts, finishes, a replayed finish (the spool's retry), a re-analysed run, a run that
+    stops being a result, and a deleted one: the summary kept by the trigger equals the one
+    recomputed from the results."""
+    writer = ProbeRunWriter(fleet_engine, "node-a")
+    spec = ProbeSpec("matmul", "fp32", "eager", 5.0, CPU)
+    started = NOW.timestamp() - 3600
+    runs = []
+    for index in range(6):
+        run = ProbeRun(f"run-{index}", spec, "ok", "", started + index, started + index + 60)
+        runs.append(run)
+        writer.start(run.id, spec, run.started_at)
+    with fleet_engine.begin() as connection:
+        seed(connection, 2_000)
+        for index, run in enumerate(runs):
+            connection.execute(
+                text(
+                    "UPDATE probe_runs SET outcome = 'ok', ended_at = :end, "
+                    "steady_throughput = :value, device_model = 'NVIDIA H100 80GB HBM3' "
+                    "WHERE run_id = :run"
+                ),
+                {"end": NOW - timedelta(minutes=index), "value": 1e12 + index, "run": run.id},
+            )
+        # Replayed: the same values again.
+        connection.execute(
+            text(
+                "UPDATE probe_runs SET steady_throughput = steady_throughput WHERE run_id = 'run-0'"
+            )
+        )
+        # Re-analysed: a new value in another bucket, another day.
+        connection.execute(
+            text(
+                "UPDATE probe_runs SET steady_throughput = 5e12, ended_at = :end "
+                "WHERE run_id = 'run-1'"
+            ),
+            {"end": NOW - timedelta(days=3)},
+        )
+        connection.execute(text("UPDATE probe_runs SET outcome = 'failed' WHERE run_id = 'run-2'"))
+        connection.execute(text("DELETE FROM probe_runs WHERE run_id IN ('run-3', 'seed-44')"))
+    with fleet_engine.begin() as connection:
+        kept = summary_snapshot(connection)
+        summary.rebuild(connection)
+        rebuilt = summary_snapshot(connection)
+    for table in ("probe_result_days", "probe_result_buckets"):
+        assert kept[table] == rebuilt[table], table
+    # Devices: the trigger never forgets a device on a delete (its latest result may be
+    # another); every device the rebuild finds, the trigger has, seen as late, and the groups
+    # count the devices the trigger has.
+    devices = "probe_result_devices"
+    assert {row[:-1] for row in rebuilt[devices]} <= {row[:-1] for row in kept[devices]}
+    with fleet_engine.begin() as connection:
+        connection.exec_driver_sql("TRUNCATE probe_result_devices, probe_result_groups")
+        for row in kept[devices]:
+            connection.execute(
+                text(
+                    "INSERT INTO probe_result_devices VALUES "
+                    "(:a, :b, :c, :d, :e, :f, :g, :h, :i, :j, :k, :l)"
+                ),
+                dict(zip("abcdefghijkl", row, strict=True)),
+            )
+        connection.exec_driver_sql(summary._FILL_GROUPS)
+        from_devices = summary_snapshot(connection)["probe_result_groups"]
+    assert kept["probe_result_groups"] == from_devices
+    assert len(from_devices) > 10
+
+
+# Acceptance 2: retention drops partitions, never a DELETE of a partitioned table
+
+PARTITIONED_DELETE = re.compile(
+    r"^\s*DELETE\s+FROM\s+\"?(probe_runs|probe_series|events|telemetry_rollups)\b", re.I
+)
+
+
+def test_retention_on_postgresql_drops_whole_old_months(
+    fleet_engine: Engine, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with fleet_engine.begin() as connection:
+        seed(connection, 100_000)  # 120 days back
+        partitions.ensure(connection, "events", {partitions.month_of(NOW - timedelta(days=130))})
+        connection.execute(
+            text(
+                "INSERT INTO events (event_id, node, device, kind, occurred_at, message, "
+                "attributes) VALUES ('old', 'node-a', 'gpu-0', 'xid', :old, '', '{}'), "
+                "('new', 'node-a', 'gpu-0', 'xid', :new, '', '{}')"
+            ),
+            {"old": NOW - timedelta(days=130), "new": NOW},
+        )
+    statements: list[str] = []
+
+    def log(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
+        statements.append(statement)
+
+    sink = ArchiveSink(fleet_engine, "node-a", Spool(tmp_path / "spool.db"))
+    job = ArchiveJob(
+        RollupBuilder({}, 60, 0.0), sink, 30, events_retention_days=60, probe_runs_retention_days=60
+    )
+    before = {p.name for p in partitions_of(fleet_engine, "probe_runs")}
+    event.listen(fleet_engine, "before_cursor_execute", log)
+    try:
+        dropped = job.apply_retention(NOW.timestamp())
+    finally:
+        event.remove(fleet_engine, "before_cursor_execute", log)
+    cutoff = NOW - timedelta(days=60)
+    after = partitions_of(fleet_engine, "probe_runs")
+    gone = before - {p.name for p in after}
+    assert gone
+    assert dropped["probe_runs"] == len(gone)
+    assert all(p.end > cutoff for p in after)  # what is left reaches past the cutoff
+    assert min(p.month for p in after) == partitions.month_of(cutoff)  # and no more is gone
+    with fleet_engine.connect() as connection:
+        oldest = connection.execute(text("SELECT min(started_at) FROM probe_runs")).scalar_one()
+        events = connection.execute(text("SELECT event_id FROM events")).scalars().all()
+    assert oldest >= datetime(*partitions.month_of(cutoff), 1, tzinfo=UTC)
+    assert events == ["new"]
+    assert not [s for s in statements if PARTITIONED_DELETE.match(s)], statements
+    assert any(s.startswith("DROP TABLE") for s in statements)
+    # The summary forgot what went: the capacity answer is still the results'.
+    assert capacity(fleet_engine, by="model") == unsummarised(fleet_engine, monkeypatch, by="model")
+    # A second pass finds nothing more to drop.
+    assert not any(job.apply_retention(NOW.timestamp()).values())
+
+
+def partitions_of(engine: Engine, table: str) -> list[partitions.Partition]:
+    with engine.connect() as connection:
+        return partitions.partitions(connection, table)
+
+
+def test_retention_on_sqlite_still_deletes_this_nodes_old_rows(tmp_path: Any) -> None:
+    engine = open_engine(f"sqlite:///{tmp_path / 'archive.db'}")
+    try:
+        upgrade(engine)
+        sink = ArchiveSink(engine, "node-a", Spool(tmp_path / "spool.db"))
+        writer = ProbeRunWriter(engine, "node-a")
+        other = ProbeRunWriter(engine, "node-b")
+        spec = ProbeSpec("matmul", "fp32", "eager", 5.0, CPU)
+        old = NOW.timestamp() - 100 * DAY
+        for name, w in (("a", writer), ("b", other)):
+            for when in (old, NOW.timestamp()):
+                run = ProbeRun(f"{name}-{when}", spec, "ok", "", when, when + 60)
+                w.start(run.id, spec, run.started_at)
+                w.finish(run)
+        job = ArchiveJob(RollupBuilder({}, 60, 0.0), sink, 30, probe_runs_retention_days=60)
+        assert job.apply_retention(NOW.timestamp())["probe_runs"] == 1
+        with engine.connect() as connection:
+            left = connection.execute(text("SELECT run_id FROM probe_runs ORDER BY run_id"))
+            assert [r[0][:1] for r in left] == ["a", "b", "b"]
+    finally:
+        engine.dispose()
+
+
+# Acceptance 5: an archive of the previous revision keeps every row
+
+
+PREVIOUS = "0009"
+TABLES = ("telemetry_rollups", "events", "probe_runs", "probe_series", "stack_snapshots")
+
+
+def dump(connection: Connection, table: str) -> list[dict[str, Any]]:
+    rows = connection.execute(text(f"SELECT * FROM {table} ORDER BY id")).mappings()
+    return [
+        {k: v for k, v in row.items() if k != "started_at" or table != "probe_series"}
+        for row in rows
+    ]
+
+
+@pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
+def test_upgrading_an_archive_of_the_previous_revision_keeps_every_row(
+    backend: str, request: pytest.FixtureRequest, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    url = (
+        f"sqlite:///{tmp_path / 'archive.db'}"
+        if backend == "sqlite"
+        else request.getfixturevalue("postgres_url")
+    )
+    engine = open_engine(url)
+    try:
+        upgrade(engine, PREVIOUS)
+        with engine.begin() as connection:
+            fill_previous(connection)
+            before = {table: dump(connection, table) for table in TABLES}
+            series_runs: dict[str, Any] = dict(
+                connection.execute(
+                    text(
+                        "SELECT s.run_id, r.started_at FROM probe_series s "
+                        "JOIN probe_runs r USING (run_id)"
+                    )
+                ).all()
+            )
+        upgrade(engine)
+        assert current_revision(engine) == head_revision()
+        with engine.connect() as connection:
+            after = {table: dump(connection, table) for table in TABLES}
+            series: dict[str, Any] = dict(
+                connection.execute(text("SELECT run_id, started_at FROM probe_series")).all()
+            )
+        for table in TABLES:
+            assert after[table] == before[table], table
+            assert len(after[table]) >= 3, table
+        assert {k: normal(v) for k, v in series.items()} == {
+            k: normal(v) for k, v in series_runs.items()
+        }
+        # New rows still get new ids, and the writers' keys work on the new tables.
+        writer = ProbeRunWriter(engine, "node-new")
+        spec = ProbeSpec("matmul", "fp32", "eager", 5.0, CPU)
+        run = ProbeRun("after-upgrade", spec, "ok", "", NOW.timestamp() - 60, NOW.timestamp())
+        writer.start(run.id, spec, run.started_at)
+        writer.finish(run)
+        writer.finish(run)  # replayed: still one row
+        with engine.connect() as connection:
+            ids = connection.execute(text("SELECT id FROM probe_runs ORDER BY id")).scalars().all()
+        assert len(ids) == len(set(ids)) == len(before["probe_runs"]) + 1
+        if backend == "postgresql":
+            with engine.connect() as connection:
+                assert partitions.is_partitioned(connection, "probe_runs")
+            by_model = capacity(engine, by="model")
+            assert by_model
+            assert by_model == unsummarised(engine, monkeypatch, by="model")
+    finally:
+        engine.dispose()
+
+
+def normal(value: Any) -> Any:
+    if isinstance(value, str):  # SQLite keeps text
+        value = datetime.fromisoformat(value)
+    if isinstance(value, datetime) and value.tzinfo is None:
+        value = value.replace(tzinfo=UTC)
+    return value.astimezone(UTC) if isinstance(value, datetime) else value
+
+
+def fill_previous(connection: Connection) -> None:
+    """Rows as revision 0009 stores them, over three months, by plain SQL (the writers of this
+    revision write the new keys)."""
+    for index, days in enumerate((75, 40, 1)):
+        when = NOW - timedelta(days=days)
+        parameters = {"when": when, "end": when + timedelta(minutes=2), "i": index}
+        connection.execute(
+            text(
+                "INSERT INTO telemetry_rollups (node, collector, device, field, labels, kind, "
+                "period_start, period_seconds, mean, min_value, max_value, p95, sample_count, "
+                "created_at) VALUES ('node-a', 'nvml', 'gpu-0', 'power', '', 'gauge', :when, 60, "
+                "1.0, 0.5, 2.0, 1.8, 60, :when)"
+            ),
+            parameters,
+        )
+        connection.execute(
+            text(
+                "INSERT INTO events (event_id, node, device, kind, occurred_at, message, "
+                "attributes, created_at) VALUES ('e' || :i, 'node-a', 'gpu-0', 'xid', :when, "
+                "'XID 79', '{}', :when)"
+            ),
+            parameters,
+        )
+        connection.execute(
+            text(
+                "INSERT INTO probe_runs (run_id, node, device, device_label, workload, precision, "
+                "optimization, size, outcome, reason, started_at, ended_at, duration_seconds, "
+                "iterations, unit, stderr_tail, steady_throughput, device_model, stack_id, scope) "
+                "VALUES ('r' || :i, 'node-a', 'gpu-0', 'GPU 0', 'matmul', 'bf16', 'eager', "
+                "'default', 'ok', '', :when, :end, 120, 100, 'FLOP/s', '', 1e14 + :i, "
+                "'NVIDIA H100 80GB HBM3', 'stack-a', 'device')"
+            ),
+            parameters,
+        )
+        connection.execute(
+            text("INSERT INTO probe_series (run_id, iterations) VALUES ('r' || :i, '[[0, 1]]')"),
+            parameters,
+        )
+        connection.execute(
+            text(
+                "INSERT INTO stack_snapshots (stack_id, facts, first_seen_at, created_at) "
+                "VALUES ('stack-' || :i, '{}', :when, :when)"
+            ),
+            parameters,
+        )
+
+
+def test_summary_module_names_the_postgresql_only_objects(fleet_engine: Engine) -> None:
+    """What migrations/env.py hides from Alembic is exactly what the summary creates."""
+    with fleet_engine.connect() as connection:
+        made = set(
+            connection.execute(
+                text(
+                    "SELECT relname FROM pg_class WHERE relnamespace = 'public'::regnamespace "
+                    "AND relkind IN ('r', 'p', 'i', 'I') AND relname LIKE 'probe_result%' "
+                    "OR relname LIKE 'ix_probe_result%' OR relname LIKE 'ix_probe_runs_rank%'"
+                )
+            ).scalars()
+        )
+    keys = {f"pk_{table}" for table in summary.TABLES}
+    assert made - keys == partitions.POSTGRESQL_ONLY
+    assert partitions.is_partition("probe_runs_p202611")
+    assert partitions.is_partition("probe_runs_default")
+    assert not partitions.is_partition("probe_runs_summary")
+    assert not partitions.is_partition(f"other_p{uuid.uuid4().int % 10**6:06d}")
+
+
+def test_capacity_rows_are_comparable() -> None:
+    # CapacityRow equality (what the comparisons above rest on) includes every figure.
+    row = CapacityRow(None, "matmul", "fp32", "eager", None, "device", None, 1.0, 0.5, 2, 1, None)
+    assert row != CapacityRow(
+        None, "matmul", "fp32", "eager", None, "device", None, 1.0, 0.5, 2, 2, None
+    )
+
+
+# The split by volume: a fleet agent's rollups stay on the node, coarse ones go to the fleet
+
+
+def test_fleet_agent_keeps_rollups_local_and_sends_only_coarse_ones(
+    fleet_engine: Engine, tmp_path: Any
+) -> None:
+    power = Field("power", "watts", "gauge", "Power draw.")
+    catalogue = {"nvml": {power.key: power}}
+    start = 1_800_000_000.0  # a whole hour
+    fine = RollupBuilder(catalogue, 60, start)
+    coarse = RollupBuilder(catalogue, 3600, start)
+    local_engine = open_engine(f"sqlite:///{tmp_path / 'rollups.db'}")
+    upgrade(local_engine)
+    try:
+        local = LocalRollups(ArchiveSink(local_engine, "node-a", Spool(tmp_path / "l.db")), coarse)
+        fleet = ArchiveSink(fleet_engine, "node-a", Spool(tmp_path / "f.db"))
+        job = ArchiveJob(fine, fleet, 30, local=local)
+        for second in range(0, 2 * 3600, 10):  # two hours at 0.1 Hz
+            sample = Sample(
+                "nvml", "GPU-0", start + second, (Reading(power.key, 300.0 + second % 7),)
+            )
+            fine.add(sample)
+            coarse.add(sample)
+        job.run(now=start + 2 * 3600 + 1)
+        assert local.sink.drain()
+        assert fleet.drain()
+        periods = {
+            name: engine_periods(engine)
+            for name, engine in (("local", local_engine), ("fleet", fleet_engine))
+        }
+        assert periods["local"] == [60] * 120  # every minute, on the node
+        assert periods["fleet"] == [3600] * 2  # an hour each, in the fleet's PostgreSQL
+        status = job.status()
+        assert status.rows_written == 122
+        assert status.write_errors == 0
+        # Retention trims the node's own file as well.
+        job.apply_retention(start + 2 * 3600 + 30 * DAY - 3600)
+        assert len(engine_periods(local_engine)) == 60
+    finally:
+        local_engine.dispose()
+
+
+def engine_periods(engine: Engine) -> list[int]:
+    with engine.connect() as connection:
+        query = text("SELECT period_seconds FROM telemetry_rollups ORDER BY period_start")
+        return [int(value) for value in connection.execute(query).scalars()]
