@@ -13,6 +13,11 @@ from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
 FieldKind = Literal["gauge", "counter"]
+WindowStat = Literal["mean", "max"]
+# The window statistics a field can have (Field.windowed).
+BOTH: tuple[WindowStat, ...] = ("mean", "max")
+MEAN: tuple[WindowStat, ...] = ("mean",)
+PEAK: tuple[WindowStat, ...] = ("max",)
 
 PREFIX = "sustain_"
 
@@ -22,8 +27,13 @@ class Field:
     """One metric family a collector can produce.
 
     ``stem`` and ``unit`` make the exported name: ``sustain_<stem>_<unit>`` (``_total`` added for
-    counters). ``windowed`` fields also get ``..._window_mean_<unit>`` and ``..._window_max_<unit>``
-    so that peaks between two scrapes stay visible. ``rollup`` fields are archived per minute.
+    counters). ``windowed`` names the statistics over the exporter's trailing window that the field
+    also gets, as ``..._window_mean_<unit>`` and ``..._window_max_<unit>``, so that what happens
+    between two scrapes stays visible: both for the fast quantities (clocks, power, utilization),
+    the max where a peak is what matters (temperature against its threshold, a clock-event
+    reason that flapped), the mean where the level is (PCIe traffic, GPM ratios). docs/metrics.md,
+    "Window statistics", gives the choice and the series it costs per GPU. ``rollup`` fields are
+    archived per minute.
     """
 
     stem: str
@@ -31,7 +41,7 @@ class Field:
     kind: FieldKind
     help: str
     labels: tuple[str, ...] = ()
-    windowed: bool = False
+    windowed: tuple[WindowStat, ...] = ()
     rollup: bool = True
 
     @property
@@ -44,7 +54,7 @@ class Field:
     def metric_name(self) -> str:
         return PREFIX + self.key
 
-    def window_metric_name(self, stat: Literal["mean", "max"]) -> str:
+    def window_metric_name(self, stat: WindowStat) -> str:
         unit = f"_{self.unit}" if self.unit else ""
         return f"{PREFIX}{self.stem}_window_{stat}{unit}"
 

@@ -41,7 +41,7 @@ from types import MappingProxyType
 
 import psutil
 
-from collectors.base import CollectorError, Field, Labels, Reading, Sample
+from collectors.base import BOTH, MEAN, PEAK, CollectorError, Field, Labels, Reading, Sample
 
 REDISCOVER_SECONDS = 60.0
 
@@ -56,7 +56,7 @@ _FIELDS = (
         "ratio",
         "gauge",
         "Busy share of all CPUs since the previous poll.",
-        windowed=True,
+        windowed=BOTH,
     ),
     Field(
         "cpu_core_utilization",
@@ -64,11 +64,10 @@ _FIELDS = (
         "gauge",
         "Busy share of one CPU since the previous poll.",
         ("cpu",),
-        windowed=True,
         rollup=False,
     ),
     Field(
-        "cpu_frequency", "hertz", "gauge", "Current frequency of one CPU.", ("cpu",), windowed=True
+        "cpu_frequency", "hertz", "gauge", "Current frequency of one CPU.", ("cpu",), windowed=MEAN
     ),
     Field(
         "cpu_frequency_max",
@@ -95,7 +94,7 @@ _FIELDS = (
         "gauge",
         "Temperature of one hwmon sensor or thermal zone.",
         ("chip", "sensor"),
-        windowed=True,
+        windowed=PEAK,
     ),
     Field(
         "rapl_energy",

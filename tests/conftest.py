@@ -212,15 +212,15 @@ class Running:
     def base(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def wait_for(self, needle: str, timeout: float = 15.0) -> str:
-        """Wait until /metrics contains ``needle``; returns the exposition."""
+    def wait_for(self, needle: str, timeout: float = 15.0, path: str = "/metrics") -> str:
+        """Wait until ``path`` (/metrics) contains ``needle``; returns the body."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 _, err = self.process.communicate()
                 pytest.fail(f"agent exited {self.process.returncode}: {err}")
             try:
-                status, body = fetch(self.base + "/metrics", timeout=2)
+                status, body = fetch(self.base + path, timeout=2)
             except OSError:
                 time.sleep(0.2)
                 continue

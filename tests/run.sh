@@ -8,12 +8,19 @@ cd "$(dirname "$0")/.."
 # System tools the tests run for real: promtool and the Prometheus server (rules, dashboards, the
 # end-to-end scrape), shellcheck (the container entrypoint), initdb/pg_ctl (a private PostgreSQL
 # instance that a test stops and starts; PostgreSQL's own package provides them), openssl (test
-# certificates for the exporter's TLS), systemd-analyze (the unit file).
+# certificates for the exporter's TLS), systemd-analyze (the unit file), chromium (the run plots and
+# the planner's report, opened headless as a person would: tests/test_report.py), victoria-metrics
+# (the long-term store Prometheus remote-writes to: tests/test_victoriametrics.py).
 missing=()
 command -v promtool >/dev/null || missing+=(prometheus)
 command -v shellcheck >/dev/null || missing+=(shellcheck)
 command -v openssl >/dev/null || missing+=(openssl)
 command -v systemd-analyze >/dev/null || missing+=(systemd)
+command -v chromium >/dev/null || missing+=(chromium)
+command -v victoria-metrics >/dev/null || missing+=(victoria-metrics)
+# pgbouncer (transaction pooling in front of the fleet database: tests/test_pgbouncer.py) is in
+# /usr/sbin, which a user's PATH may lack.
+command -v pgbouncer >/dev/null || [ -x /usr/sbin/pgbouncer ] || missing+=(pgbouncer)
 if [ "${#missing[@]}" -gt 0 ]; then
   if [ "$(id -u)" -eq 0 ]; then
     apt-get update -qq

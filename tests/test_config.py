@@ -184,7 +184,7 @@ def test_configuration_reference_documents_every_key() -> None:
         for key in getattr(model, "model_fields", {})
         if f"`{section}.{key}`" not in reference
     ]
-    assert len(sections) == 9
+    assert len(sections) == 11
     missing += [
         f"probing.plan.{key}"
         for key in config.ProbePlanEntry.model_fields

@@ -103,7 +103,11 @@ def test_rollups_one_row_per_series_per_whole_period(agent: Running) -> None:
         periods.setdefault(str(period_start), set()).add((field, labels))
     # Whole periods only: none before the agent started, none still open when it stopped.
     expected = int(stopped // 10) - int(started // 10) - 1
-    assert len(periods) in (expected, expected + 1), sorted(periods)
+    # On a loaded machine the last period may not reach the database within the stop's drain
+    # time: it then waits in the spool for the next start, and the log says so (nothing lost).
+    spooled = "stay in the spool" in err
+    allowed = (expected - 1, expected, expected + 1) if spooled else (expected, expected + 1)
+    assert len(periods) in allowed, (sorted(periods), err[-2000:])
     series_sets = list(periods.values())
     assert all(series == series_sets[0] for series in series_sets), "a series missed a period"
     fields = {field for field, _ in series_sets[0]}

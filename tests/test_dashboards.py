@@ -76,7 +76,9 @@ REQUIRED_METRICS = {
         "sustain_gpu_temperature_threshold_celsius",
         "sustain_gpu_clock_event_reason_active_window_max",
         "sustain_gpu_utilization_window_mean_ratio",
-        "sustain_probe_throughput",
+        "sustain_probe_flops",
+        "sustain_probe_bytes_per_second",
+        "sustain_probe_tokens_per_second",
         "sustain_gpu_memory_used_bytes",
         "sustain_gpu_memory_total_bytes",
         "sustain_gpu_pcie_link_generation",
@@ -89,18 +91,24 @@ REQUIRED_METRICS = {
         "sustain_memory_used_bytes",
     },
     "probes.json": {
-        "sustain_probe_throughput",
+        "sustain_probe_flops",
+        "sustain_probe_bytes_per_second",
+        "sustain_probe_tokens_per_second",
         "sustain_probe_sustained_ratio",
         "sustain_probe_warmup_seconds",
         "sustain_probe_classification",
         "sustain_probe_slowdown_cause",
-        "sustain_probe_work_per_joule",
+        "sustain_probe_flop_per_joule",
+        "sustain_probe_bytes_per_joule",
+        "sustain_probe_tokens_per_joule",
         "sustain_probe_latency_seconds",
         "sustain_probe_runs_total",
         "sustain_probe_duty_cycle_ratio",
     },
     "fleet.json": {
-        "sustain_probe_throughput",
+        "sustain_probe_flops",
+        "sustain_probe_bytes_per_second",
+        "sustain_probe_tokens_per_second",
         "sustain_gpu_info",
         "sustain_drift_fleet_ratio",
         "sustain_drift_fleet_outlier",
@@ -109,7 +117,9 @@ REQUIRED_METRICS = {
     },
     "stack-and-drift.json": {
         "sustain_stack_changes_total",
-        "sustain_probe_throughput",
+        "sustain_probe_flops",
+        "sustain_probe_bytes_per_second",
+        "sustain_probe_tokens_per_second",
         "sustain_drift_last_change_ratio",
         "sustain_drift_last_change_timestamp_seconds",
         "sustain_stack_info",
@@ -256,9 +266,15 @@ def metric_names(expr: str) -> set[str]:
     }
 
 
+# label_replace(VECTOR, "DST", ...): a label the expression adds (the per-unit throughput
+# families get their unit as a label this way, grafana/panels.py throughput()).
+LABEL_REPLACE = re.compile(r'label_replace\([^()]*?,\s*"(\w+)"\s*,')
+
+
 def known_labels(expr: str) -> set[str]:
-    """Every label the series an expression selects can carry (recording rules: any)."""
-    labels = set(TARGET_LABELS)
+    """Every label the series an expression selects can carry (recording rules: any), and
+    those its label_replace calls add."""
+    labels = set(TARGET_LABELS) | set(LABEL_REPLACE.findall(expr))
     for name in metric_names(expr):
         labels |= catalogue().get(name, frozenset())
     return labels
@@ -607,7 +623,7 @@ def test_probes_dashboard_specifics() -> None:
 def test_fleet_dashboard_specifics() -> None:
     all_exprs = [expr for _, expr in exprs(dashboards()["fleet.json"])]
     assert any(
-        "sustain_probe_throughput" in expr
+        "sustain_probe_flops" in expr
         and "on (instance, uuid) group_left (name) sustain_gpu_info" in expr
         for expr in all_exprs
     ), "no capacity view joining steady throughput with the GPU model"
@@ -630,7 +646,7 @@ def test_stack_and_drift_dashboard_specifics() -> None:
     throughput_panels = {
         panel["id"]
         for panel in panels(dashboard)
-        if any("sustain_probe_throughput" in t["expr"] for t in panel.get("targets", []))
+        if any("sustain_probe_flops" in t["expr"] for t in panel.get("targets", []))
     }
     assert throughput_panels <= set(stack_annotations[0]["filter"]["ids"])
     tables = [panel for panel in panels(dashboard) if panel["type"] == "table"]

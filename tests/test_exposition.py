@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import subprocess
 import sys
 import time
 import urllib.error
@@ -16,8 +17,11 @@ from pathlib import Path
 import pytest
 from conftest import FakeGpus
 from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import GaugeMetricFamily, SummaryMetricFamily
+from prometheus_client.openmetrics.exposition import generate_latest as generate_openmetrics
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.process_collector import ProcessCollector
+from test_dashboards import promtool
 from test_names import same_as_golden
 
 from agent.archive.database import open_engine, upgrade
@@ -28,9 +32,15 @@ from agent.config.settings import DriftSection, ProbingSection
 from agent.drift.job import DriftJob
 from agent.exporter.metrics import AgentMetrics
 from agent.exporter.server import ExporterApp, ExporterServer
+from agent.exporter.text import Encoder, _Fixed
+from agent.health.monitor import DeviceHealth
+from agent.health.rules import Finding
+from agent.occupancy.tracker import OccupancyStatus
+from agent.probes.analysis import RunAnalysis
+from agent.probes.attribution import Attribution
 from agent.probes.devices import TelemetryCapture
 from agent.probes.runner import ProbeRunner
-from agent.probes.scheduler import ProbeScheduler
+from agent.probes.scheduler import ProbeResult, ProbeScheduler, ProbeStatus
 from agent.stack.tracker import StackTracker
 from agent.telemetry.rollup import RollupBuilder
 from agent.telemetry.sampler import SamplerLoop
@@ -53,6 +63,9 @@ SELF_PREFIXES = (
     "sustain_stack_",
     "sustain_drift_",
     "sustain_build_info",
+    "sustain_device_pod_info",
+    "sustain_device_health",
+    "sustain_podresources_",
 )
 
 
@@ -117,6 +130,24 @@ DRIFT_ANSWER = {
 }
 
 
+# What the kubelet's PodResources API named (its client is tested in tests/test_occupancy.py).
+OCCUPANCY = OccupancyStatus(
+    pods=[("0", "GPU-0", "ml", "train-0", "main")], requests={"ok": 3}, last_success=1.7e9
+)
+
+HEALTH = [
+    DeviceHealth(
+        "GPU-0",
+        "0",
+        "GPU-0",
+        "GPU 0",
+        "degraded",
+        (Finding("pcie_link_degraded", "degraded", "PCIe gen 3 x16 on a gen 5 x16 link", 1.7e9),),
+        (Finding("xid_79", "unhealthy", "XID 79", 1.7e9),),
+    )
+]
+
+
 @pytest.fixture
 def exposition_parts(
     host_tree: Path, tmp_path: Path
@@ -158,6 +189,8 @@ def exposition_parts(
             probes=probes.status,
             stack=stacks.status,
             drift=drift.status,
+            occupancy=lambda: OCCUPANCY,
+            health=lambda: HEALTH,
         )
     )
     ProcessCollector(namespace="sustain", registry=registry)
@@ -200,7 +233,14 @@ def catalogue() -> dict[str, tuple[str, tuple[str, ...]]]:
 def gpu_exposition(scenario: Callable[[str, float], tuple[FakeGpus, NvmlCollector]]) -> str:
     """The GPU families: the fake driver's scenario that sets every field, then the node with a
     MIG GPU and the GPUs' CPU affinity (one NVML init at a time); GPM needs two polls."""
-    text = ""
+    return "".join(gpu_expositions(scenario))
+
+
+def gpu_expositions(
+    scenario: Callable[[str, float], tuple[FakeGpus, NvmlCollector]],
+) -> list[str]:
+    """``gpu_exposition``, one exposition per scenario."""
+    texts = []
     for name in ("every_field.scn", "mig_node.scn"):
         fake, gpus = scenario((SCENARIOS / name).read_text(), 1.0)
         store = TelemetryStore(64)
@@ -210,9 +250,65 @@ def gpu_exposition(scenario: Callable[[str, float], tuple[FakeGpus, NvmlCollecto
         loop.poll_once()
         registry = CollectorRegistry(auto_describe=False)
         registry.register(AgentMetrics(store, {"nvml": dict(gpus.fields)}, lambda: [], 15.0))
-        text += generate_latest(registry).decode()
+        texts.append(generate_latest(registry).decode())
         gpus.close()
-    return text
+    return texts
+
+
+def probe_exposition() -> str:
+    """The probe families with one result of each unit (matmul, membw, inference)."""
+    status = ProbeStatus(runs={}, last_run={}, running={}, duty_used={}, results={})
+    for workload, unit, work_unit in (
+        ("matmul", "FLOP/s", "flop"),
+        ("membw", "B/s", "byte"),
+        ("inference", "tokens/s", "token"),
+    ):
+        figures = {
+            "peak_throughput": 2.0,
+            "steady_throughput": 1.5,
+            "p10_throughput": 1.4,
+            "p50_throughput": 1.5,
+            "sustained_ratio": 0.75,
+            "classification": "slowdown",
+        }
+        attribution = Attribution((), "thermal", 1e9, "")
+        status.results[(workload, "fp32", "eager", "0", "GPU-0")] = ProbeResult(
+            unit, work_unit, RunAnalysis(figures, attribution)
+        )
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(AgentMetrics(TelemetryStore(4), {}, lambda: [], 15.0, probes=lambda: status))
+    return generate_latest(registry).decode()
+
+
+def test_no_family_mixes_units_and_promtool_finds_no_problem(
+    exposition_parts: tuple[CollectorRegistry, SamplerLoop, ArchiveJob],
+    scenario: Callable[[str, float], tuple[FakeGpus, NvmlCollector]],
+) -> None:
+    """Issue 17, acceptance 3: one family per unit (no label saying the unit), and `promtool
+    check metrics` (the Prometheus naming and exposition lint) reports nothing."""
+    registry, _, _ = exposition_parts
+    texts = [generate_latest(registry).decode(), *gpu_expositions(scenario), probe_exposition()]
+    throughput = {}
+    for text in texts:
+        for family in text_string_to_metric_families(text):
+            labels = {label for sample in family.samples for label in sample.labels}
+            assert not labels & {"unit", "work_unit"}, family.name
+            if family.name.startswith("sustain_probe_") and family.samples:
+                throughput[family.name] = {s.labels.get("workload") for s in family.samples}
+        result = subprocess.run(
+            [promtool(), "check", "metrics"],
+            input=text,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        assert result.returncode == 0, result.stdout + result.stderr
+        assert result.stdout.strip() == "", result.stdout
+    assert throughput["sustain_probe_flops"] == {"matmul"}
+    assert throughput["sustain_probe_bytes_per_second"] == {"membw"}
+    assert throughput["sustain_probe_tokens_per_second"] == {"inference"}
+    assert throughput["sustain_probe_tokens_per_joule"] == {"inference"}
 
 
 def test_catalogue_and_exposition_agree(
@@ -312,3 +408,27 @@ def test_metric_families_are_unchanged(
         f"{name} {','.join(sorted(labels))}".rstrip() for name, labels in sorted(families.items())
     ]
     same_as_golden("metric-families.txt", "\n".join(lines) + "\n")
+
+
+def test_fast_encoder_writes_what_prometheus_client_writes(
+    exposition_parts: tuple[CollectorRegistry, SamplerLoop, ArchiveJob],
+    scenario: Callable[[str, float], tuple[FakeGpus, NvmlCollector]],
+) -> None:
+    """/metrics renders through agent.exporter.text (issue 17: p99 <= 10 ms with 8 GPUs): byte
+    for byte what prometheus_client's encoders write, in both formats, including label values
+    that need escaping; a family it does not render goes through prometheus_client whole."""
+    registry, _, _ = exposition_parts
+    hostile = GaugeMetricFamily("sustain_test_escape", 'a "help"\\ line\nend', labels=["x"])
+    hostile.add_metric(['quote " backslash \\ newline \n'], 1.5)
+    summary = SummaryMetricFamily("sustain_test_summary", "a summary", count_value=2, sum_value=3)
+    for metrics in (
+        list(registry.collect()),
+        [*registry.collect(), hostile],
+        [hostile, summary],  # the fallback
+    ):
+        fixed = _Fixed(metrics)
+        for content_type, reference in (
+            ("text/plain; version=0.0.4; charset=utf-8", generate_latest),
+            ("application/openmetrics-text; version=1.0.0; charset=utf-8", generate_openmetrics),
+        ):
+            assert Encoder().render(fixed, content_type) == reference(fixed)

@@ -1,6 +1,7 @@
 """Acceptance 2 of the fleet archive: 8 agents (real `sustain run` processes) write to one
-PostgreSQL database at once for 60 s: rollups every 10 s, probe runs, the same stack snapshot,
-their events. No errors, no duplicates, nothing missing."""
+PostgreSQL database at once for 60 s: probe runs, the same stack snapshot, their events; their
+rollups every 10 s into each node's own SQLite file (issue 18). No errors, no duplicates, nothing
+missing."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from datetime import datetime
 from pathlib import Path
 
 from conftest import fetch, free_port
@@ -102,17 +104,28 @@ def test_eight_agents_write_one_database_at_once(postgres_url: str, tmp_path: Pa
         with checker.connect() as connection:
             for index, (_, _, home, _) in enumerate(agents):
                 node = f"fleet-{index}"
-                periods = (
-                    connection.execute(
-                        text(
-                            "SELECT period_start FROM telemetry_rollups WHERE node = :node AND "
-                            "field = 'cpu_utilization_ratio' ORDER BY period_start"
-                        ),
-                        {"node": node},
-                    )
-                    .scalars()
-                    .all()
-                )
+                # A fleet's rollups stay on the node (issue 18): none in PostgreSQL unless
+                # archive.fleet_rollup_seconds asks for coarse ones.
+                in_fleet = connection.execute(
+                    text("SELECT count(*) FROM telemetry_rollups WHERE node = :node"),
+                    {"node": node},
+                ).scalar_one()
+                assert in_fleet == 0, node
+                local = create_engine(f"sqlite:///{home / 'rollups.db'}")
+                try:
+                    with local.connect() as on_node:
+                        periods = [
+                            datetime.fromisoformat(str(value))
+                            for value in on_node.execute(
+                                text(
+                                    "SELECT period_start FROM telemetry_rollups WHERE node = :node "
+                                    "AND field = 'cpu_utilization_ratio' ORDER BY period_start"
+                                ),
+                                {"node": node},
+                            ).scalars()
+                        ]
+                finally:
+                    local.dispose()
                 assert len(periods) >= 3, node  # whole periods; start-up takes a few s
                 steps = {(b - a).total_seconds() for a, b in itertools.pairwise(periods)}
                 assert steps == {10.0}, (node, periods)  # no gap, no period twice

@@ -326,12 +326,20 @@ def test_sustain_probe_node_shows_each_gpu_against_its_solo_run(
         ("node_total", "node"),
     ]
     assert len({run["group"] for run in runs[2:]}) == 1
+    solo_steady = [runs[0]["steady"], runs[1]["steady"]]
     for run in runs[2:]:
         assert run["outcome"] == "ok", run["reason"]
+        assert "coupling_cause" in run
         # Its size is the scheduler tests' business; here: it is there, from the run's own
         # solo reference (another process's load between the two may move it either way).
-        assert run["coupling_ratio"] > 0, run
-        assert "coupling_cause" in run
+        if run["coupling_ratio"] is not None:
+            assert run["coupling_ratio"] > 0, run
+            continue
+        # None only where a run gave no figure to compare (agent.probes.node.coupling_of): on
+        # a loaded machine a 3-s run may end without a steady state (CI saw it once).
+        solos = solo_steady if run["scope"] == "node_total" else [solo_steady[int(run["device"])]]
+        assert run["steady"] is None or None in solos, run
+    assert any(run["coupling_ratio"] is not None for run in runs[2:4]), runs
     assert runs[0]["coupling_ratio"] is None
     # Told to pick one device: not a node-wide run.
     refused = subprocess.run(

@@ -135,7 +135,7 @@ def test_recorded_run_is_in_capacity_and_restored_after_a_restart(tmp_path: Path
     values: dict[str, float] = {}
     for family in text_string_to_metric_families(body):
         for sample in family.samples:
-            if sample.name == "sustain_probe_throughput" and sample.labels["workload"] == "matmul":
+            if sample.name == "sustain_probe_flops" and sample.labels["workload"] == "matmul":
                 values[sample.labels["stat"]] = sample.value
     assert set(values) >= {"peak", "steady", "p10", "p50"}
     assert values["peak"] == pytest.approx(run["peak"])

@@ -16,9 +16,9 @@ import pytest
 from agent.telemetry.rollup import RollupBuilder, p95
 from agent.telemetry.sampler import SamplerLoop
 from agent.telemetry.store import RingBuffer, TelemetryStore
-from collectors.base import CollectorError, Field, Reading, Sample, SourceUnavailable
+from collectors.base import BOTH, CollectorError, Field, Reading, Sample, SourceUnavailable
 
-GAUGE = Field("thing", "ratio", "gauge", "A test gauge.", windowed=True)
+GAUGE = Field("thing", "ratio", "gauge", "A test gauge.", windowed=BOTH)
 COUNTER = Field("energy", "joules", "counter", "A test counter.", labels=("zone",))
 CATALOGUE = {"scripted": {GAUGE.key: GAUGE, COUNTER.key: COUNTER}}
 
@@ -72,6 +72,28 @@ def test_window_mean_and_max_keep_a_short_peak() -> None:
     assert stats.max == 0.9
     assert stats.mean == pytest.approx((14 * 0.1 + 0.9) / 15)
     assert buffer.window(since=2000.0) is None
+
+
+@pytest.mark.parametrize("capacity", [7, 10, 64])
+def test_window_is_the_same_as_a_scan_whatever_the_ring_wrap(capacity: int) -> None:
+    """The window is found by bisection over the ring (issue 17, scrape cost): it must match a
+    plain scan of the newest entries for every start, across the wrap, with NaN and inf kept out."""
+    buffer = RingBuffer(capacity)
+    entries = []
+    for i in range(23):
+        value = math.nan if i == 17 else math.inf if i == 19 else float((i * 7) % 11)
+        buffer.append(100.0 + i, value)
+        entries.append((100.0 + i, value))
+    kept = entries[-capacity:]
+    for since in [99.0, *(100.0 + i + offset for i in range(23) for offset in (0.0, 0.5)), 200.0]:
+        finite = [v for t, v in kept if t >= since and math.isfinite(v)]
+        stats = buffer.window(since)
+        if not finite:
+            assert stats is None, since
+            continue
+        assert stats is not None, since
+        assert (stats.count, stats.max) == (len(finite), max(finite)), since
+        assert stats.mean == pytest.approx(sum(finite) / len(finite)), since
 
 
 def test_store_exports_only_the_latest_poll_per_device() -> None:

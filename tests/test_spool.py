@@ -147,6 +147,9 @@ def test_database_outage_loses_and_doubles_nothing(
             [archive]
             database_url = "{private_postgres.url}"
             rollup_seconds = 10
+            # The fleet database gets the rollups too (the default keeps them on the node), so
+            # that they cross the outage through the spool.
+            fleet_rollup_seconds = 10
             [probing]
             initial_delay_seconds = 0
             duty_cycle = 1.0

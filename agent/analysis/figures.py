@@ -57,25 +57,26 @@ WINDOW_SECONDS = 1.0
 MIN_WINDOWS = 3
 
 
-def windowed_percentiles(
+def window_series(
     starts: NDArray[np.float64],
     ends: NDArray[np.float64],
     work: NDArray[np.float64],
     window: float = WINDOW_SECONDS,
-) -> tuple[float, float] | None:
-    """p10 and p50 of the throughput in consecutive windows of ``window`` seconds.
+) -> tuple[NDArray[np.float64], NDArray[np.float64]]:
+    """The throughput in consecutive windows of ``window`` seconds: (window starts, values),
+    both in the clock of ``starts``, for the windows whole within the run that had work in them.
 
     Each window's throughput is the work done inside it over the time iterations were running
     inside it: an iteration that spans a boundary counts in both windows in proportion, and a gap
-    between iterations (another phase, the timer's own work) is not charged as idle. Only windows
-    whole within the run count, and ``None`` when fewer than ``MIN_WINDOWS`` are.
+    between iterations (another phase, the timer's own work) is not charged as idle.
     """
+    empty = np.zeros(0)
     if starts.size == 0:
-        return None
+        return empty, empty
     origin = float(starts.min())
     count = int((float(ends.max()) - origin) // window)
-    if count < MIN_WINDOWS:
-        return None
+    if count < 1:
+        return empty, empty
     done = np.zeros(count)
     busy = np.zeros(count)
     rate = work / (ends - starts)
@@ -86,7 +87,21 @@ def windowed_percentiles(
         )
         done[index] = float(np.sum(overlap * rate))
         busy[index] = float(np.sum(overlap))
-    values = done[busy > 0] / busy[busy > 0]
+    kept = busy > 0
+    values: NDArray[np.float64] = (done[kept] / busy[kept]).astype(np.float64)
+    window_starts: NDArray[np.float64] = edges[:-1][kept].astype(np.float64)
+    return window_starts, values
+
+
+def windowed_percentiles(
+    starts: NDArray[np.float64],
+    ends: NDArray[np.float64],
+    work: NDArray[np.float64],
+    window: float = WINDOW_SECONDS,
+) -> tuple[float, float] | None:
+    """p10 and p50 of the throughput in consecutive windows of ``window`` seconds
+    (``window_series``); ``None`` when fewer than ``MIN_WINDOWS`` windows count."""
+    _, values = window_series(starts, ends, work, window)
     if values.size < MIN_WINDOWS:
         return None
     p10, p50 = np.percentile(values, [10.0, 50.0])

@@ -187,7 +187,13 @@ def cmd_probe(args: argparse.Namespace) -> int:
 
     from agent.archive.database import ArchiveError
     from agent.cli import probe as probe_command
+    from agent.cli.report import ReportError, check_plots
 
+    if args.plot is not None:
+        try:
+            check_plots()  # matplotlib is there, before any probe runs
+        except ReportError as exc:
+            raise UsageError(str(exc)) from None
     request = probe_command.Request(
         workloads=args.workload or [],
         precisions=args.precision or [],
@@ -198,12 +204,13 @@ def cmd_probe(args: argparse.Namespace) -> int:
         force=args.force,
         record=settings.probing.record if args.record is None else args.record,
         node=args.node,
+        plot=args.plot,
     )
     try:
         return probe_command.run_probes(settings, request, as_json=args.json)
     except probe_command.ProbeUsageError as exc:
         raise UsageError(str(exc)) from None
-    except ArchiveError as exc:  # --record: the archive cannot be opened
+    except (ArchiveError, ReportError) as exc:  # --record's archive, --plot's directory
         raise UsageError(str(exc)) from None
 
 
@@ -212,6 +219,8 @@ def cmd_analyze(args: argparse.Namespace) -> int:
     from agent.analysis.input import SeriesInputError, analyze_file
     from agent.analysis.summary import render_summary
 
+    if args.plot is not None:
+        return _plot_analysis(args)
     try:
         path = None if args.file == "-" else Path(args.file)
         result = analyze_file(path, args.column, args.kind, args.tolerance)
@@ -219,6 +228,29 @@ def cmd_analyze(args: argparse.Namespace) -> int:
         raise UsageError(str(exc)) from None
     unit = "iterations/s" if args.kind == "duration" else "work/s"
     print(result.to_json() if args.json else render_summary(result, unit))
+    return EXIT_OK
+
+
+def _plot_analysis(args: argparse.Namespace) -> int:
+    """`analyze --plot`: the summary as without it, and the series drawn with its verdict."""
+    from agent.analysis import InvalidSeriesError, analyze, analyze_durations
+    from agent.analysis.input import SeriesInputError, read_series
+    from agent.analysis.summary import render_summary
+    from agent.cli.report import ReportError, check_plots, plot_series
+
+    try:
+        check_plots(args.plot)
+        path = None if args.file == "-" else Path(args.file)
+        values = read_series(path, args.column, args.kind)
+        measure = analyze_durations if args.kind == "duration" else analyze
+        result = measure(values, tolerance=args.tolerance)
+        title = f"{args.file}" + (f", column {args.column}" if args.column else "")
+        plot_series(args.plot, title, [float(v) for v in values], args.kind, result)
+    except (SeriesInputError, InvalidSeriesError, ReportError) as exc:
+        raise UsageError(str(exc)) from None
+    unit = "iterations/s" if args.kind == "duration" else "work/s"
+    print(result.to_json() if args.json else render_summary(result, unit))
+    print(f"plot: {args.plot}", file=sys.stderr)
     return EXIT_OK
 
 
@@ -295,6 +327,108 @@ def cmd_capacity(args: argparse.Namespace) -> int:
             as_json=args.json,
         ),
     )
+
+
+def cmd_health(args: argparse.Namespace) -> int:
+    from agent.archive.database import ArchiveError
+    from agent.cli import health as health_command
+
+    settings = _settings(args)
+    verdict = health_command.node_health(
+        settings, lambda: _open_archive(args), metrics=args.metrics, use_live=not args.no_live
+    )
+    if args.health_command == "clear":
+        from agent.archive.events import EventWriter
+
+        engines: list[Any] = []
+
+        def writer() -> EventWriter:
+            engines.append(_open_archive(args, write=True))
+            return EventWriter(engines[0], settings.agent.node)
+
+        try:
+            message, code = health_command.clear(verdict, writer, args.device, args.reason, args.by)
+        except (health_command.HealthError, ArchiveError) as exc:
+            raise UsageError(str(exc)) from None
+        finally:
+            for engine in engines:
+                engine.dispose()
+        print(message)
+        return code
+    if args.json:
+        print(health_command.as_json(verdict, args.max_length))
+    elif args.summary:
+        print(health_command.summary(verdict, args.max_length))
+    else:
+        print(health_command.render(verdict, args.max_length))
+    return health_command.exit_code(verdict)
+
+
+def _add_health_command(commands: Any) -> None:
+    from agent.cli.health import add_arguments
+
+    health = commands.add_parser(
+        "health",
+        help="each device's health now: exit 0 healthy, 1 degraded or unhealthy, 2 unknown",
+        description="The node's verdict: one line per device with its state and reasons. Asks "
+        "the running agent's /metrics, else reads the archive. Exit 0: every device healthy; "
+        "1: a device degraded or unhealthy; 2: unknown (node-problem-detector's convention).",
+    )
+    _add_config_flags(health)
+    add_arguments(health)
+    health.set_defaults(handler=cmd_health, health_command=None)
+    actions = health.add_subparsers(dest="health_command", metavar="ACTION")
+    clear = actions.add_parser(
+        "clear",
+        help="acknowledge a device's current reasons (recorded with who and why) until new "
+        "evidence arrives",
+    )
+    clear.add_argument("device", metavar="DEVICE", help="device index, UUID, or cpu")
+    clear.add_argument(
+        "--reason", required=True, metavar="TEXT", help="why, recorded (required: no default)"
+    )
+    clear.add_argument("--by", metavar="NAME", help="who (default: $SUDO_USER, else the user)")
+    _add_config_flags(clear)
+    add_arguments(clear)
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from agent.cli import report as report_command
+
+    try:
+        return report_command.run(args, lambda: _open_archive(args), _settings(args))
+    except report_command.ReportError as exc:
+        raise UsageError(str(exc)) from None
+
+
+def _add_plot_flags(probe: argparse.ArgumentParser, analyze: argparse.ArgumentParser) -> None:
+    probe.add_argument(
+        "--plot",
+        type=Path,
+        metavar="DIR",
+        help="draw each run as an SVG in DIR: throughput, change points, steady band and the "
+        "device's telemetry (needs sustain[report]; off by default)",
+    )
+    analyze.add_argument(
+        "--plot",
+        type=Path,
+        metavar="FILE",
+        help="draw the series and its verdict, SVG or PNG by the extension (needs "
+        "sustain[report]; off by default)",
+    )
+
+
+def _add_report_command(commands: Any) -> None:
+    from agent.cli.report import add_arguments
+
+    report = commands.add_parser(
+        "report",
+        help="pictures: one archived run (SVG/PNG), or the fleet as one HTML page",
+        description="Run plots and the planner's report (docs/report.md); they need matplotlib: "
+        "pip install 'sustain[report]'.",
+    )
+    add_arguments(report, _add_config_flags)
+    report.set_defaults(handler=cmd_report)
 
 
 def _positive_seconds(text: str) -> float:
@@ -553,7 +687,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--json", action="store_true", help="one JSON object (off by default: a summary)"
     )
     analyze.set_defaults(handler=cmd_analyze)
+    _add_plot_flags(probe, analyze)
     _add_fleet_commands(commands)
+    _add_health_command(commands)
+    _add_report_command(commands)
     return parser
 
 

@@ -21,6 +21,7 @@ import textwrap
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 from rich.console import Console
@@ -66,6 +67,7 @@ class Request:
     force: bool
     record: bool = False
     node: bool = False  # each probe solo on every device, then node-wide: the coupling
+    plot: Path | None = None  # a directory: one SVG per run (sustain[report])
 
 
 def _collectors(settings: Settings, runner: ProbeRunner) -> list[Collector]:
@@ -380,10 +382,20 @@ def run_probes(settings: Settings, request: Request, as_json: bool) -> int:
         )
         if request.record and problem is None:
             print(f"\narchived {len(results)} run(s) in {redact_url(settings.database_url)}")
+    _plot(results, request.plot)
     if problem is not None:
         print(f"sustain probe: {problem}", file=sys.stderr)
         return 1
     return 0 if all(run.outcome in ("ok", "unsupported", "skipped") for run, _ in results) else 1
+
+
+def _plot(results: Sequence[tuple[ProbeRun, RunAnalysis | None]], directory: Path | None) -> None:
+    """``--plot DIR``: one picture per run (agent.cli.report, which loads matplotlib)."""
+    if directory is None:
+        return
+    from agent.cli.report import plot_probe_runs, say_written
+
+    say_written(plot_probe_runs(results, directory))
 
 
 LABEL_WIDTH = 12

@@ -14,6 +14,10 @@ such a URL is refused with a hint to write ``%40``, and never echoed.
 from __future__ import annotations
 
 import re
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
 from urllib.parse import quote, quote_plus
 
 from sqlalchemy.engine import URL, make_url
@@ -102,3 +106,28 @@ def scrub(text: str, url: URL) -> str:
     for form in sorted(forms, key=len, reverse=True):
         text = re.sub(rf"(?<!\w){re.escape(form)}(?!\w)", HIDDEN, text)
     return text
+
+
+def warn_if_exposed(path: Path, file_data: Mapping[str, Any]) -> None:
+    """One line on standard error when a file that others may read holds a database password.
+
+    Printed, not logged: the file is read before logging is set up, by every command.
+    """
+    archive = file_data.get("archive")
+    url = archive.get("database_url") if isinstance(archive, dict) else None
+    if not isinstance(url, str):
+        return
+    try:
+        found = secrets(parse(url))
+    except DatabaseUrlError:
+        return  # reported as a problem of its own
+    try:
+        mode = path.stat().st_mode
+    except OSError:
+        return
+    if found and mode & 0o044:
+        print(
+            f"sustain: warning: config file {path} is readable by others and holds a database "
+            "password; chmod 600 it (or set the password in the environment: docs/security.md)",
+            file=sys.stderr,
+        )

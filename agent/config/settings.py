@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import socket
-import sys
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
@@ -126,11 +125,45 @@ class ExporterSection(_Section):
         default=None,
         description="Prometheus-style web configuration file (TLS, basic auth); unset: plain HTTP.",
     )
+    header_timeout_seconds: float = Field(
+        default=10.0,
+        gt=0,
+        le=300,
+        description="Seconds a client has, from its connection, to send its request line and "
+        "headers; past it the connection is closed (slow clients, slow loris).",
+    )
+    max_connections: int = Field(
+        default=256,
+        ge=1,
+        le=4096,
+        description="Requests served at once, one thread each; others with complete headers "
+        "wait their turn, those still sending headers cost no thread.",
+    )
+    auth_rate_per_second: float = Field(
+        default=1.0,
+        gt=0,
+        le=1000,
+        description="bcrypt password checks a second per client address (burst 5) with basic "
+        "auth; past it new credentials are answered 429 without a check.",
+    )
+    docs_url: str = Field(
+        default="",
+        max_length=2048,
+        description="Base URL where sustain's docs/ folder is published; the landing page at / "
+        "links metrics.md, health.md, alerts.md and probe.md under it. Empty: it names them.",
+    )
 
     @field_validator("listen")
     @classmethod
     def _listen_is_host_port(cls, value: str) -> str:
         parse_listen(value)
+        return value
+
+    @field_validator("docs_url")
+    @classmethod
+    def _docs_url_is_http(cls, value: str) -> str:
+        if value and not value.startswith(("http://", "https://")):
+            raise ValueError("must be an http:// or https:// URL")
         return value
 
     @field_validator("web_config_file")
@@ -398,6 +431,104 @@ class DriftSection(_Section):
     )
 
 
+# XIDs that mean the GPU needs a reset or is off the bus (NVIDIA's XID catalogue: docs/health.md).
+RESET_XIDS = (48, 74, 79, 92, 94, 95, 119, 120)
+
+
+class HealthSection(_Section):
+    enabled: bool = Field(
+        default=True, description="Evaluate each device's health every sampler period."
+    )
+    unhealthy_xids: list[Annotated[int, Field(ge=1, le=65535)]] = Field(
+        default_factory=lambda: list(RESET_XIDS),
+        description="XIDs that make a GPU unhealthy until an operator clears it or it is reset.",
+    )
+    hold_seconds: float = Field(
+        default=30.0,
+        ge=0,
+        le=DAY_SECONDS,
+        description="A condition (PCIe link, idle throttling, applications clocks) counts only "
+        "once it has held this long.",
+    )
+    light_load_utilization: float = Field(
+        default=0.2,
+        ge=0,
+        le=1,
+        description="At or below this GPU utilization a thermal or power-brake clock reason is "
+        "a fault, not the load's doing.",
+    )
+    active_utilization: float = Field(
+        default=0.1,
+        ge=0,
+        le=1,
+        description="At or above this GPU utilization the GPU is not idle: its PCIe link must run "
+        "at full generation and width, and its clocks must not be held by applications clocks.",
+    )
+    probe_failures: int = Field(
+        default=3,
+        ge=1,
+        le=100,
+        description="This many consecutive failed or timed-out probe runs on an idle device make "
+        "it unhealthy.",
+    )
+    baseline_threshold: float = Field(
+        default=0.10,
+        gt=0,
+        lt=1,
+        description="A device whose steady throughput or sustained ratio is this far below its "
+        "peers' median (same model, stack, probe and size) is degraded.",
+    )
+    baseline_runs: int = Field(
+        default=2,
+        ge=1,
+        le=20,
+        description="How many consecutive runs must be below the baseline.",
+    )
+    baseline_min_peers: int = Field(
+        default=3, ge=1, le=1000, description="Fewest peer devices that make a baseline."
+    )
+    baseline_days: float = Field(
+        default=14.0,
+        gt=0,
+        le=365,
+        description="Peers' results older than this do not count toward the baseline.",
+    )
+    coupling_low_runs: int = Field(
+        default=3,
+        ge=1,
+        le=100,
+        description="This many consecutive node-wide runs below probing.coupling_threshold make "
+        "the device degraded.",
+    )
+    correctable_ecc_per_hour: float = Field(
+        default=100.0,
+        gt=0,
+        description="More corrected ECC errors than this over the last hour make a GPU degraded.",
+    )
+
+
+class OccupancySection(_Section):
+    pod_resources_socket: Path = Field(
+        default=Path("/var/lib/kubelet/pod-resources/kubelet.sock"),
+        description="The kubelet's PodResources API socket; absent means not on Kubernetes.",
+    )
+    pod_resources_interval_seconds: float = Field(
+        default=30.0,
+        ge=1,
+        le=DAY_SECONDS,
+        description="Ask the kubelet which pods hold which devices at most this often "
+        "(in the background, never per scrape).",
+    )
+    pod_resources_timeout_seconds: float = Field(
+        default=5.0, gt=0, le=60, description="Deadline of one PodResources List call."
+    )
+    slurm: bool = Field(
+        default=True,
+        description="Name the Slurm job of the processes on each GPU (from their cgroup or "
+        "SLURM_JOB_ID under host.procfs).",
+    )
+
+
 class ArchiveSection(_Section):
     database_url: str | None = Field(
         default=None,
@@ -428,8 +559,21 @@ class ArchiveSection(_Section):
         description="Local spool file that holds archive writes until the database has them; "
         "unset means data_dir/spool.db.",
     )
+    local_database_url: str | None = Field(
+        default=None,
+        description="With a PostgreSQL archive (a fleet's): the node-local SQLite database that "
+        "keeps this node's rollups of rollup_seconds (for forensics, under retention_days); unset "
+        "means a SQLite file data_dir/rollups.db. Unused with a SQLite archive, which keeps them.",
+    )
+    fleet_rollup_seconds: int | None = Field(
+        default=None,
+        ge=10,
+        le=86_400,
+        description="With a PostgreSQL archive: also send the fleet database rollups of this "
+        "coarser period (e.g. 3600); unset sends none (dense telemetry is Prometheus' job).",
+    )
 
-    @field_validator("database_url")
+    @field_validator("database_url", "local_database_url")
     @classmethod
     def _url_is_well_formed(cls, value: str | None) -> str | None:
         if value is None:
@@ -441,6 +585,13 @@ class ArchiveSection(_Section):
             raise ValueError(f"unknown database dialect {url.drivername!r}") from None
         if url.get_backend_name() == "sqlite" and not url.database:
             raise ValueError("a SQLite URL needs a file path (sqlite:////path/to/sustain.db)")
+        return value
+
+    @field_validator("local_database_url")
+    @classmethod
+    def _local_is_sqlite(cls, value: str | None) -> str | None:
+        if value is not None and urls.parse(value).get_backend_name() != "sqlite":
+            raise ValueError("the node-local rollups database must be SQLite (sqlite:////path)")
         return value
 
 
@@ -477,6 +628,8 @@ class Settings(BaseSettings):
     archive: ArchiveSection = Field(default_factory=ArchiveSection)
     stack: StackSection = Field(default_factory=StackSection)
     drift: DriftSection = Field(default_factory=DriftSection)
+    health: HealthSection = Field(default_factory=HealthSection)
+    occupancy: OccupancySection = Field(default_factory=OccupancySection)
 
     @property
     def database_url(self) -> str:
@@ -485,6 +638,24 @@ class Settings(BaseSettings):
             return self.archive.database_url
         path = (self.agent.data_dir / "sustain.db").absolute()
         return URL.create("sqlite", database=str(path)).render_as_string()
+
+    @property
+    def fleet_archive(self) -> bool:
+        """Whether the archive is a fleet's PostgreSQL (rollups then stay on the node)."""
+        return self.database_url.startswith("postgresql")
+
+    @property
+    def local_database_url(self) -> str:
+        """The node-local rollups' SQLite URL, with its default resolved."""
+        if self.archive.local_database_url is not None:
+            return self.archive.local_database_url
+        path = (self.agent.data_dir / "rollups.db").absolute()
+        return URL.create("sqlite", database=str(path)).render_as_string()
+
+    @property
+    def local_spool_path(self) -> Path:
+        """The spool of the node-local rollups, beside the archive's."""
+        return self.spool_path.with_name(self.spool_path.stem + "-rollups.db")
 
     @property
     def spool_path(self) -> Path:
@@ -573,7 +744,7 @@ def load(
     """
     file_data = read_toml(path) if path is not None else {}
     if path is not None:
-        _warn_if_exposed(path, file_data)
+        urls.warn_if_exposed(path, file_data)
     settings_cls = _settings_class(file_data, use_env)
     environ = {
         name: value for name, value in os.environ.items() if name.upper().startswith(ENV_PREFIX)
@@ -598,31 +769,6 @@ def load(
     except SettingsError:  # a variable that sets a list or table and holds no JSON
         lines = environment_json_lines(environ, Settings, ENV_PREFIX)
         raise ConfigError(lines or ["environment: a SUSTAIN_ variable is not valid JSON"]) from None
-
-
-def _warn_if_exposed(path: Path, file_data: Mapping[str, Any]) -> None:
-    """One line on standard error when a file that others may read holds a database password.
-
-    Printed, not logged: the file is read before logging is set up, by every command.
-    """
-    archive = file_data.get("archive")
-    url = archive.get("database_url") if isinstance(archive, dict) else None
-    if not isinstance(url, str):
-        return
-    try:
-        secrets = urls.secrets(urls.parse(url))
-    except urls.DatabaseUrlError:
-        return  # reported as a problem of its own
-    try:
-        mode = path.stat().st_mode
-    except OSError:
-        return
-    if secrets and mode & 0o044:
-        print(
-            f"sustain: warning: config file {path} is readable by others and holds a database "
-            "password; chmod 600 it (or set the password in the environment: docs/security.md)",
-            file=sys.stderr,
-        )
 
 
 def check_file(path: Path) -> list[str]:

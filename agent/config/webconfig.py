@@ -249,6 +249,31 @@ def _first_problem(error: ValidationError) -> str:
 MAX_BYTES = 1 << 20
 
 
+class _DuplicateKey(Exception):
+    def __init__(self, key: Any, line: int) -> None:
+        super().__init__(key, line)
+        self.key = key
+        self.line = line
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """SafeLoader that refuses a key repeated in a mapping: YAML would keep the last one
+    silently, and a second ``basic_auth_users`` entry for a user replaces the first's hash."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            try:
+                repeated = key in seen
+                seen.add(key)
+            except TypeError:  # an unhashable key: the constructor below says so
+                continue
+            if repeated:
+                raise _DuplicateKey(key, key_node.start_mark.line + 1)
+        return super().construct_mapping(node, deep=deep)
+
+
 def load(path: Path) -> WebConfig:
     """Parse and validate the file at ``path``; WebConfigError (one line) if it is unusable."""
     try:
@@ -268,7 +293,9 @@ def load(path: Path) -> WebConfig:
     except OSError as exc:  # a path through a file, a name too long, ...
         _fail(f"cannot read {path}: {exc.strerror or exc}")
     try:
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader
+    except _DuplicateKey as exc:
+        _fail(f"{path}, line {exc.line}: {exc.key!r} is given twice (a duplicate user or key)")
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = "" if mark is None else f" at line {mark.line + 1}"

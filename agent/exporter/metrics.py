@@ -21,15 +21,24 @@ from datetime import datetime
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector as PromCollector
+from prometheus_client.samples import Sample
 
 from agent import __version__
 from agent.archive.sink import ArchiveStatus
 from agent.drift.job import SERIES_LABELS, DriftStatus
+from agent.exporter.health import health_families
+from agent.exporter.occupancy import occupancy_families
+from agent.health.monitor import DeviceHealth
+from agent.occupancy.tracker import OccupancyStatus
 from agent.probes.scheduler import LATENCY_QUANTILES, ProbeResult, ProbeStatus
 from agent.stack.tracker import INFO_LABELS, StackStatus
 from agent.telemetry.sampler import LoopStatus
 from agent.telemetry.store import TelemetryStore
-from collectors.base import Field, Reading
+from collectors.base import Field, Labels, Reading
+
+WINDOW_HELP = {"mean": "Mean", "max": "Maximum"}
+LABEL_CACHE_LIMIT = 200_000  # series whose label dicts are kept; past it the cache starts over
+_NO_LABELS: dict[str, str] = {}
 
 Catalogue = Mapping[str, Mapping[str, Field]]  # collector name -> field key -> Field
 
@@ -97,6 +106,15 @@ _LOOP_FAMILIES: tuple[
 
 _PROBE_LABELS = ["workload", "precision", "optimization", "device", "uuid"]
 
+# One family per unit (the Prometheus naming guide: a metric's name carries its one unit): the
+# workloads' units (workloads/*.py, "unit") -> throughput family, work-per-joule family.
+UNIT_FAMILIES: Mapping[str, tuple[str, str]] = {
+    "FLOP/s": ("sustain_probe_flops", "sustain_probe_flop_per_joule"),
+    "B/s": ("sustain_probe_bytes_per_second", "sustain_probe_bytes_per_joule"),
+    "tokens/s": ("sustain_probe_tokens_per_second", "sustain_probe_tokens_per_joule"),
+}
+WORK_NAMES = {"FLOP/s": "Floating-point operations", "B/s": "Bytes moved", "tokens/s": "Tokens"}
+
 
 def _probe_families(status: ProbeStatus) -> Iterator[Metric]:
     runs = CounterMetricFamily(
@@ -147,15 +165,7 @@ def _probe_families(status: ProbeStatus) -> Iterator[Metric]:
 
 def _probe_result_families(status: ProbeStatus) -> Iterator[Metric]:
     """The latest analysed result of each probe: peak and steady, and why they differ."""
-    throughput = GaugeMetricFamily(
-        "sustain_probe_throughput",
-        "Achieved throughput of the probe's latest run: stat=peak (best short window), "
-        "stat=steady (mean of the steady state, absent without one), stat=p10 and stat=p50 "
-        "(percentiles over one-second windows, present even without a steady state); unit says "
-        "of what (FLOP/s, B/s, tokens/s); scope=device for solo runs, scope=node for a device's "
-        "run within a node-wide run and for the node's sum (device=node).",
-        labels=[*_PROBE_LABELS, "unit", "stat", "scope"],
-    )
+    throughput = {unit: _throughput_family(unit, name) for unit, (name, _) in UNIT_FAMILIES.items()}
     ratio = GaugeMetricFamily(
         "sustain_probe_sustained_ratio",
         "Steady throughput over peak throughput of the latest run.",
@@ -183,11 +193,15 @@ def _probe_result_families(status: ProbeStatus) -> Iterator[Metric]:
         "Share of the latest run's steady state spent under each clock-event reason.",
         labels=[*_PROBE_LABELS, "reason"],
     )
-    efficiency = GaugeMetricFamily(
-        "sustain_probe_work_per_joule",
-        "Work done per joule over the latest run (work_unit: flop, byte, token).",
-        labels=[*_PROBE_LABELS, "work_unit"],
-    )
+    efficiency = {
+        unit: GaugeMetricFamily(
+            name,
+            f"{WORK_NAMES[unit]} per joule over the latest run (the device's energy counter: "
+            "GPU board, RAPL package on the CPU).",
+            labels=_PROBE_LABELS,
+        )
+        for unit, (_, name) in UNIT_FAMILIES.items()
+    }
     latency = GaugeMetricFamily(
         "sustain_probe_latency_seconds",
         "Per-token decode latency of the latest inference run, by quantile (0.5, 0.9, 0.99).",
@@ -211,22 +225,40 @@ def _probe_result_families(status: ProbeStatus) -> Iterator[Metric]:
             steady = attribution.segments[-1]
             for reason, value in sorted(steady.reason_share.items()):
                 share.add_metric([*labels, reason], value)
-        if attribution.work_per_joule is not None:
-            efficiency.add_metric([*labels, result.work_unit], attribution.work_per_joule)
+        if attribution.work_per_joule is not None and result.unit in efficiency:
+            efficiency[result.unit].add_metric(labels, attribution.work_per_joule)
     for key, result in sorted(status.node_results.items()):
         _add_throughput(throughput, list(key), result, "node")
-    yield from (throughput, ratio, warmup, classification, cause, share, efficiency, latency)
+    yield from throughput.values()
+    yield from (ratio, warmup, classification, cause, share)
+    yield from efficiency.values()
+    yield latency
     yield from _coupling_families(status)
 
 
+def _throughput_family(unit: str, name: str) -> GaugeMetricFamily:
+    return GaugeMetricFamily(
+        name,
+        f"Achieved throughput ({unit}) of the probe's latest run: stat=peak (best short "
+        "window), stat=steady (mean of the steady state, absent without one), stat=p10 and "
+        "stat=p50 (percentiles over one-second windows, present even without a steady state); "
+        "scope=device for solo runs, scope=node for a device's run within a node-wide run and "
+        "for the node's sum (device=node).",
+        labels=[*_PROBE_LABELS, "stat", "scope"],
+    )
+
+
 def _add_throughput(
-    family: GaugeMetricFamily, labels: list[str], result: ProbeResult, scope: str
+    families: Mapping[str, GaugeMetricFamily], labels: list[str], result: ProbeResult, scope: str
 ) -> None:
+    family = families.get(result.unit)
+    if family is None:  # a workload of another unit: no family of its own (a test catches it)
+        return
     figures = result.analysis.figures
     for stat in ("peak", "steady", "p10", "p50"):
         value = figures.get(f"{stat}_throughput")
         if value is not None:
-            family.add_metric([*labels, result.unit, stat, scope], value)
+            family.add_metric([*labels, stat, scope], value)
 
 
 def _coupling_families(status: ProbeStatus) -> Iterator[Metric]:
@@ -259,10 +291,6 @@ def _coupling_families(status: ProbeStatus) -> Iterator[Metric]:
     yield from (ratio, cause, low)
 
 
-def _label_values(field: Field, labels: tuple[tuple[str, str], ...]) -> list[str]:
-    return [value for _, value in labels] if field.labels else []
-
-
 class AgentMetrics(PromCollector):
     """The agent's whole exposition, except the process metrics of prometheus_client."""
 
@@ -277,7 +305,12 @@ class AgentMetrics(PromCollector):
         probes: Callable[[], ProbeStatus] | None = None,
         stack: Callable[[], StackStatus] | None = None,
         drift: Callable[[], DriftStatus] | None = None,
+        occupancy: Callable[[], OccupancyStatus] | None = None,
+        health: Callable[[], Sequence[DeviceHealth]] | None = None,
     ) -> None:
+        self._health = health
+        self._label_dicts: dict[Labels, dict[str, str]] = {}
+        self._occupancy = occupancy
         self._stack = stack
         self._drift = drift
         self._store = store
@@ -300,6 +333,10 @@ class AgentMetrics(PromCollector):
             yield from _stack_families(self._stack())
         if self._drift is not None:
             yield from _drift_families(self._drift())
+        if self._occupancy is not None:
+            yield from occupancy_families(self._occupancy())
+        if self._health is not None:
+            yield from health_families(self._health())
 
     def _telemetry(self) -> Iterator[Metric]:
         since = time.time() - self._window
@@ -328,29 +365,42 @@ class AgentMetrics(PromCollector):
     ) -> Iterator[Metric]:
         family_type = CounterMetricFamily if field.kind == "counter" else GaugeMetricFamily
         latest = family_type(field.metric_name, field.help + suffix, labels=list(field.labels))
+        # Samples built directly, their label dicts kept from scrape to scrape (add_metric
+        # would zip a new dict for every sample of every scrape).
+        name = latest.name + ("_total" if field.kind == "counter" else "")
+        append = latest.samples.append
         for _, reading in readings:
-            latest.add_metric(_label_values(field, reading.labels), reading.value)
+            append(Sample(name, self._labels(field, reading.labels), reading.value))
         yield latest
         if not field.windowed:
             return
-        window_mean = GaugeMetricFamily(
-            field.window_metric_name("mean"),
-            f"{field.help} Mean over the last {self._window:g} s.",
-            labels=list(field.labels),
-        )
-        window_max = GaugeMetricFamily(
-            field.window_metric_name("max"),
-            f"{field.help} Maximum over the last {self._window:g} s.",
-            labels=list(field.labels),
-        )
-        for device, reading in readings:
-            stats = self._store.window((collector, device, field.key, reading.labels), since)
+        windows = {
+            stat: GaugeMetricFamily(
+                field.window_metric_name(stat),
+                f"{field.help} {WINDOW_HELP[stat]} over the last {self._window:g} s.",
+                labels=list(field.labels),
+            )
+            for stat in field.windowed
+        }
+        keys = [(collector, device, field.key, reading.labels) for device, reading in readings]
+        for key, stats in zip(keys, self._store.windows(keys, since), strict=True):
             if stats is not None:
-                values = _label_values(field, reading.labels)
-                window_mean.add_metric(values, stats.mean)
-                window_max.add_metric(values, stats.max)
-        yield window_mean
-        yield window_max
+                labels = self._labels(field, key[3])
+                for stat, family in windows.items():
+                    value = stats.mean if stat == "mean" else stats.max
+                    family.samples.append(Sample(family.name, labels, value))
+        yield from windows.values()
+
+    def _labels(self, field: Field, labels: Labels) -> dict[str, str]:
+        """The label dict of a series, the same object every scrape (nothing mutates it)."""
+        if not field.labels:
+            return _NO_LABELS
+        found = self._label_dicts.get(labels)
+        if found is None:
+            if len(self._label_dicts) >= LABEL_CACHE_LIMIT:
+                self._label_dicts.clear()
+            found = self._label_dicts[labels] = dict(labels)
+        return found
 
     def _self_metrics(self) -> Iterator[Metric]:
         build = GaugeMetricFamily(

@@ -1,9 +1,11 @@
 """The HTTP endpoint: /metrics (Prometheus text format), /healthz, and a landing page at /.
 
-A small WSGI application on a threading server from the standard library, so that a slow
-scraper never blocks another; prometheus_client renders /metrics (with gzip and OpenMetrics
-negotiation). /healthz answers 503 when a sampler loop has stalled, so a liveness probe restarts an
-agent whose sampling is stuck even though its HTTP thread still answers.
+A small WSGI application on wsgiref's server, with requests on a bounded pool of threads once
+their headers are complete (HeaderGate), so that a slow scraper never blocks another and clients
+that never finish a request cost no thread (limits: docs/security.md); prometheus_client renders
+/metrics (with gzip and OpenMetrics negotiation). /healthz answers 503 when a sampler loop has
+stalled, so a liveness probe restarts an agent whose sampling is stuck even though its HTTP thread
+still answers.
 
 With ``exporter.web_config_file`` (agent/config/webconfig.py) the same server speaks TLS and asks
 for basic auth. The TLS handshake runs in the connection's own thread, not in the accept loop, so a
@@ -20,18 +22,19 @@ import contextlib
 import gzip
 import hashlib
 import hmac
-import html
 import logging
+import resource
 import secrets
+import select
 import socket
 import ssl
 import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from socketserver import ThreadingMixIn
-from typing import Any
+from typing import Any, Literal
 from urllib.parse import parse_qs
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
@@ -39,9 +42,14 @@ import bcrypt
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import choose_encoder, gzip_accepted
 
-from agent import __version__
 from agent.config import webconfig
+from agent.exporter import landing
+from agent.exporter.landing import LandingSources
+from agent.exporter.text import Encoder
+from agent.health.monitor import DeviceHealth
+from agent.probes.scheduler import ProbeStatus
 from agent.telemetry.sampler import LoopStatus
+from collectors.base import Sample
 
 log = logging.getLogger(__name__)
 
@@ -55,11 +63,19 @@ class ListenError(Exception):
     """The exporter could not bind its address."""
 
 
-HANDSHAKE_TIMEOUT_SECONDS = 10.0
 CLOSE_TIMEOUT_SECONDS = 2.0
 REALM = "sustain"
 BCRYPT_MAX_PASSWORD_BYTES = 72  # bcrypt ignores the rest; the bcrypt package refuses it
 REJECTED_CACHE_SIZE = 1024
+DEFAULT_HEADER_TIMEOUT_SECONDS = 10.0
+DEFAULT_MAX_CONNECTIONS = 256
+DEFAULT_AUTH_RATE_PER_SECOND = 1.0
+AUTH_BURST = 5  # bcrypt checks an address may make at once before the rate applies
+AUTH_CLIENTS_TRACKED = 4096
+MAX_PENDING_CONNECTIONS = 8192  # connections still sending their headers, held by one selector
+MAX_HEADER_BYTES = 65536
+BODY_TIMEOUT_SECONDS = 30.0  # per send, once the request is read: a client that stops reading
+Verdict = Literal["ok", "wrong", "limited"]
 
 
 class ServerTls:
@@ -104,6 +120,33 @@ class ServerTls:
             return self._context
 
 
+class AddressRateLimit:
+    """A token bucket per client address: ``rate`` checks a second, ``burst`` at once.
+
+    The table is bounded (the least recently seen address goes first), so that a spoofing-free
+    but wide flood (many addresses) costs memory no more than AUTH_CLIENTS_TRACKED buckets.
+    """
+
+    def __init__(self, rate: float, burst: int, size: int = AUTH_CLIENTS_TRACKED) -> None:
+        self._rate = rate
+        self._burst = float(burst)
+        self._size = size
+        self._buckets: dict[str, tuple[float, float]] = {}  # address -> (tokens, at)
+        self._lock = threading.Lock()
+
+    def take(self, address: str) -> bool:
+        """Whether ``address`` may have one more check now (and if so, it is counted)."""
+        now = time.monotonic()
+        with self._lock:
+            tokens, at = self._buckets.pop(address, (self._burst, now))
+            tokens = min(self._burst, tokens + (now - at) * self._rate)
+            allowed = tokens >= 1.0
+            self._buckets[address] = (tokens - 1.0 if allowed else tokens, now)
+            if len(self._buckets) > self._size:
+                del self._buckets[next(iter(self._buckets))]
+        return allowed
+
+
 class BasicAuth:
     """Checks ``Authorization: Basic`` credentials against bcrypt hashes, cheaply when repeated.
 
@@ -114,11 +157,16 @@ class BasicAuth:
     scraper left with an old password costs one bcrypt, not one per request; this is what
     Prometheus' exporter-toolkit does. An unknown user is checked against a dummy hash of the
     same cost, so that response times do not tell which users exist, and bcrypt runs one check
-    at a time, so that a flood of wrong passwords costs at most one core.
+    at a time, so that a flood of wrong passwords costs at most one core. With a client address,
+    bcrypt checks are rate-limited per address (AddressRateLimit): past the limit the answer is
+    "limited" without a check, so that new wrong passwords cost a fraction of a core.
     """
 
-    def __init__(self, users: Mapping[str, bytes]) -> None:
+    def __init__(
+        self, users: Mapping[str, bytes], rate_per_second: float = DEFAULT_AUTH_RATE_PER_SECOND
+    ) -> None:
         self._users = dict(users)
+        self._limit = AddressRateLimit(rate_per_second, AUTH_BURST)
         self._key = secrets.token_bytes(32)
         cost = max((int(hashed[4:6]) for hashed in self._users.values()), default=10)
         self._dummy_hash = bcrypt.hashpw(secrets.token_hex(16).encode(), bcrypt.gensalt(cost))
@@ -133,9 +181,13 @@ class BasicAuth:
 
     def check(self, header: str | None) -> bool:
         """Whether an Authorization header value carries a configured user and its password."""
+        return self.verdict(header, None) == "ok"
+
+    def verdict(self, header: str | None, client: str | None) -> Verdict:
+        """``check`` for a request from ``client`` (None: not rate-limited)."""
         credentials = _basic_credentials(header)
         if credentials is None:
-            return False
+            return "wrong"
         user_bytes, _, password = credentials.partition(b":")
         try:
             user = user_bytes.decode("utf-8")
@@ -147,9 +199,11 @@ class BasicAuth:
             rejected = digest in self._rejected
         hashed = self._users.get(user)
         if hmac.compare_digest(remembered, digest) and hashed is not None:
-            return True
+            return "ok"
         if rejected:
-            return False
+            return "wrong"
+        if client is not None and not self._limit.take(client):
+            return "limited"
         too_long = len(password) > BCRYPT_MAX_PASSWORD_BYTES
         with self._bcrypt_lock:
             matches = bcrypt.checkpw(
@@ -164,7 +218,7 @@ class BasicAuth:
                 self._rejected[digest] = None
                 if len(self._rejected) > REJECTED_CACHE_SIZE:
                     del self._rejected[next(iter(self._rejected))]
-        return accepted
+        return "ok" if accepted else "wrong"
 
 
 def _basic_credentials(header: str | None) -> bytes | None:
@@ -190,10 +244,18 @@ class AuthApp:
 
     def __call__(self, environ: Environ, start_response: StartResponse) -> Iterable[bytes]:
         # The same test as ExporterApp's routing, so exactly the health path is open.
-        if environ.get("PATH_INFO", "/") == "/healthz" or self._auth.check(
-            environ.get("HTTP_AUTHORIZATION")
-        ):
+        if environ.get("PATH_INFO", "/") == "/healthz":
             return self._app(environ, start_response)
+        verdict = self._auth.verdict(
+            environ.get("HTTP_AUTHORIZATION"), environ.get("REMOTE_ADDR", "")
+        )
+        if verdict == "ok":
+            return self._app(environ, start_response)
+        if verdict == "limited":
+            start_response(
+                "429 Too Many Requests", [("Content-Type", "text/plain"), ("Retry-After", "1")]
+            )
+            return [b"too many password checks from this address; try again later\n"]
         start_response(
             "401 Unauthorized",
             [
@@ -204,20 +266,217 @@ class AuthApp:
         return [b"unauthorized\n"]
 
 
-class _ThreadingServer(ThreadingMixIn, WSGIServer):
-    daemon_threads = True
+class HeaderGate:
+    """Holds new connections in one thread, on epoll, until their request headers have arrived.
+
+    A thread per connection from accept() on lets anyone who opens connections and never finishes
+    a request (slow loris) make threads without bound. Here a connection costs a file descriptor
+    and an epoll entry until its headers are complete (a blank line in the data the kernel holds,
+    looked at with MSG_PEEK so that the handler reads the request as sent), and only then a worker
+    thread. A connection whose headers are not complete within ``timeout`` seconds of its accept is
+    closed, however slowly it trickles bytes. With TLS the bytes are encrypted: the connection is
+    handed over at its first byte, and the worker's handshake and header reads are bounded by the
+    same timeout per read.
+    """
+
+    def __init__(
+        self,
+        timeout: float,
+        tls: bool,
+        hand_over: Callable[[socket.socket, Any], None],
+        close: Callable[[socket.socket], None],
+    ) -> None:
+        self._timeout = timeout
+        self._tls = tls
+        self._hand_over = hand_over
+        self._close = close
+        self._epoll = select.epoll()
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._epoll.register(self._wake_r.fileno(), select.EPOLLIN)
+        self._incoming: list[tuple[socket.socket, Any]] = []
+        self._incoming_lock = threading.Lock()
+        # fd -> (socket, address, deadline), in order of arrival, hence of deadline.
+        self._pending: dict[int, tuple[socket.socket, Any, float]] = {}
+        self._peek = bytearray(MAX_HEADER_BYTES)
+        self._stopping = False
+        self.thread = threading.Thread(target=self._run, name="exporter-headers", daemon=True)
+
+    def add(self, connection: socket.socket, address: Any) -> None:
+        with self._incoming_lock:
+            self._incoming.append((connection, address))
+        self._wake()
+
+    def _wake(self) -> None:
+        with contextlib.suppress(OSError):
+            self._wake_w.send(b"x")
+
+    def stop(self) -> None:
+        self._stopping = True
+        self._wake()
+        if self.thread.is_alive():
+            self.thread.join()
+        for connection, _, _ in self._pending.values():
+            connection.close()
+        with self._incoming_lock:
+            for connection, _ in self._incoming:
+                connection.close()
+        self._epoll.close()
+        self._wake_r.close()
+        self._wake_w.close()
+
+    def _run(self) -> None:
+        while not self._stopping:
+            self._admit()
+            wait = 0.5
+            if self._pending:
+                first = next(iter(self._pending.values()))[2]
+                wait = min(wait, max(0.0, first - time.monotonic()))
+            for fd, _ in self._epoll.poll(wait):
+                if fd == self._wake_r.fileno():
+                    with contextlib.suppress(OSError):
+                        self._wake_r.recv(4096)
+                else:
+                    self._look(fd)
+            self._expire()
+
+    def _admit(self) -> None:
+        with self._incoming_lock:
+            incoming, self._incoming = self._incoming, []
+        deadline = time.monotonic() + self._timeout
+        for connection, address in incoming:
+            try:
+                connection.setblocking(False)
+                # Edge-triggered: an event per arrival of data, not one per poll while it waits.
+                self._epoll.register(connection.fileno(), select.EPOLLIN | select.EPOLLET)
+            except OSError:
+                self._close(connection)
+                continue
+            self._pending[connection.fileno()] = (connection, address, deadline)
+
+    def _look(self, fd: int) -> None:
+        entry = self._pending.get(fd)
+        if entry is None:
+            return
+        connection = entry[0]
+        try:
+            size = connection.recv_into(self._peek, MAX_HEADER_BYTES, socket.MSG_PEEK)
+        except BlockingIOError:
+            return
+        except OSError:
+            size = 0
+        if size == 0:  # closed by the client, or reset
+            self._drop(fd)
+            return
+        data = memoryview(self._peek)[:size]
+        complete = (
+            self._tls
+            or size >= MAX_HEADER_BYTES  # the handler answers 414 or 431
+            or bytes(data).find(b"\r\n\r\n") >= 0
+            or bytes(data).find(b"\n\n") >= 0
+        )
+        if complete:
+            self._epoll.unregister(fd)
+            del self._pending[fd]
+            connection.setblocking(True)
+            self._hand_over(connection, entry[1])
+
+    def _drop(self, fd: int) -> None:
+        connection = self._pending.pop(fd)[0]
+        with contextlib.suppress(OSError):
+            self._epoll.unregister(fd)
+        self._close(connection)
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        expired = []
+        for fd, (_, _, deadline) in self._pending.items():
+            if deadline > now:
+                break
+            expired.append(fd)
+        for fd in expired:
+            self._drop(fd)
+
+
+class _ThreadingServer(WSGIServer):
+    """A WSGI server whose requests run on a bounded pool of threads, after HeaderGate.
+
+    ``configure`` sets the limits before serving: at most ``max_connections`` requests are served
+    at once (one thread each), the rest wait with their headers complete; connections beyond
+    the pending limit (file descriptors) are closed at accept.
+    """
+
     allow_reuse_address = True
     # wsgiref speaks HTTP/1.0: every scrape is a new connection. Python's default backlog of 5
     # drops connection attempts in a burst, which the client retries a second later.
     request_queue_size = 128
     tls: ServerTls | None = None
+    header_timeout = DEFAULT_HEADER_TIMEOUT_SECONDS
+    _gate: HeaderGate | None = None
+    _pool: ThreadPoolExecutor | None = None
+
+    def configure(self, header_timeout: float, max_connections: int) -> None:
+        self.header_timeout = header_timeout
+        self._pool = ThreadPoolExecutor(max_connections, thread_name_prefix="exporter-request")
+        self._gate = HeaderGate(header_timeout, self.tls is not None, self._submit, self._release)
+        self._held = 0
+        self._held_lock = threading.Lock()
+        # Each held connection is a file descriptor: the soft limit (often 1,024) up to the hard.
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        wanted = MAX_PENDING_CONNECTIONS + 1024
+        if soft != resource.RLIM_INFINITY and soft < wanted:
+            raised = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+            with contextlib.suppress(ValueError, OSError):
+                resource.setrlimit(resource.RLIMIT_NOFILE, (raised, hard))
+                soft = raised
+        spare = soft - 128 if soft != resource.RLIM_INFINITY else MAX_PENDING_CONNECTIONS
+        self._max_held = max(16, min(MAX_PENDING_CONNECTIONS, spare))
+        self._gate.thread.start()
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        """In the accept loop: to the header gate, or closed when too many are held."""
+        assert self._gate is not None, "configure() before serving"
+        with self._held_lock:
+            full = self._held >= self._max_held
+            if not full:
+                self._held += 1
+        if full:
+            self.shutdown_request(request)
+            return
+        self._gate.add(request, client_address)
+
+    def _submit(self, request: socket.socket, client_address: Any) -> None:
+        assert self._pool is not None
+        try:
+            self._pool.submit(self._serve, request, client_address)
+        except RuntimeError:  # shutting down
+            self._release(request)
+
+    def _serve(self, request: socket.socket, client_address: Any) -> None:
+        try:
+            self.finish_request(request, client_address)
+        except Exception:  # noqa: BLE001 - as socketserver: logged by handle_error, counted there
+            self.handle_error(request, client_address)
+        finally:
+            self._release(request)
+
+    def _release(self, request: socket.socket) -> None:
+        self.shutdown_request(request)
+        with self._held_lock:
+            self._held -= 1
+
+    def stop_workers(self) -> None:
+        if self._gate is not None:
+            self._gate.stop()
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
 
     def finish_request(self, request: Any, client_address: Any) -> None:
         """In the connection's thread: the TLS handshake first, when TLS is on."""
         if self.tls is None:
             super().finish_request(request, client_address)
             return
-        request.settimeout(HANDSHAKE_TIMEOUT_SECONDS)
+        request.settimeout(self.header_timeout)
         # wsgiref writes headers and body in separate TLS records; with Nagle's algorithm the
         # second waits for the client's delayed ACK, 40 ms on Linux, on every request.
         request.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -229,7 +488,6 @@ class _ThreadingServer(ThreadingMixIn, WSGIServer):
             log.debug("exporter: TLS handshake with %s failed: %s", client_address[0], exc)
             return
         try:
-            connection.settimeout(None)
             super().finish_request(connection, client_address)
         finally:
             connection.settimeout(CLOSE_TIMEOUT_SECONDS)
@@ -251,28 +509,25 @@ class _ThreadingServer6(_ThreadingServer):
 
 
 class _QuietHandler(WSGIRequestHandler):
-    """Access logs would cost a line per scrape; errors still reach the log."""
+    """Access logs would cost a line per scrape; errors still reach the log.
+
+    Headers are read with the server's header timeout per read (HeaderGate has already bounded
+    the whole of it for plain HTTP); the response is then written with a longer one, so that a
+    client that stops reading frees its thread.
+    """
+
+    def setup(self) -> None:
+        server: Any = self.server
+        self.request.settimeout(server.header_timeout)
+        super().setup()
+
+    def parse_request(self) -> bool:
+        parsed = super().parse_request()
+        self.connection.settimeout(BODY_TIMEOUT_SECONDS)
+        return parsed
 
     def log_message(self, format: str, *args: Any) -> None:
         return
-
-
-def _landing_page(statuses: Sequence[LoopStatus]) -> bytes:
-    rows = "".join(
-        f"<tr><td>{html.escape(status.collector)}</td><td>{status.interval_seconds:g} s</td>"
-        f"<td>{'absent' if status.absent else 'up' if status.up else 'down'}</td>"
-        f"<td>{'stalled' if status.stalled else 'ok'}</td></tr>"
-        for status in statuses
-    )
-    page = (
-        "<!doctype html><html><head><title>sustain</title></head><body>"
-        f"<h1>sustain {html.escape(__version__)}</h1>"
-        "<p>Sustained-throughput agent. "
-        '<a href="/metrics">/metrics</a> &middot; <a href="/healthz">/healthz</a></p>'
-        "<table><tr><th>collector</th><th>interval</th><th>state</th><th>loop</th></tr>"
-        f"{rows}</table></body></html>"
-    )
-    return page.encode()
 
 
 RENDER_MAX_AGE_SECONDS = 0.5
@@ -293,6 +548,7 @@ class CachedMetrics:
         self._lock = threading.Lock()
         self._locks: dict[CacheKey, threading.Lock] = {}
         self._cache: dict[CacheKey, tuple[float, list[Header], bytes]] = {}
+        self._encoder = Encoder()
 
     def __call__(self, environ: Environ, start_response: StartResponse) -> Iterable[bytes]:
         params = parse_qs(environ.get("QUERY_STRING", ""))
@@ -306,11 +562,10 @@ class CachedMetrics:
             now = time.monotonic()
             cached = self._cache.get(key)
             if cached is None or now - cached[0] > RENDER_MAX_AGE_SECONDS:
-                encoder, _ = choose_encoder(accept)
                 registry: Any = self._registry
                 if key[2]:
                     registry = registry.restricted_registry(list(key[2]))
-                body = encoder(registry)
+                body = self._encoder.render(registry, content_type)
                 headers = [("Content-Type", content_type)]
                 if compressed:
                     body = gzip.compress(body)
@@ -322,13 +577,22 @@ class CachedMetrics:
 
 
 class ExporterApp:
-    """Routes the three paths; anything else is 404."""
+    """Routes the three paths (the page at /: agent/exporter/landing.py); anything else is 404."""
 
     def __init__(
-        self, registry: CollectorRegistry, loops: Callable[[], Sequence[LoopStatus]]
+        self,
+        registry: CollectorRegistry,
+        loops: Callable[[], Sequence[LoopStatus]],
+        *,
+        node: str = "",
+        health: Callable[[], Sequence[DeviceHealth]] | None = None,
+        probes: Callable[[], ProbeStatus] | None = None,
+        docs_url: str = "",
+        telemetry: Callable[[], Sequence[Sample]] | None = None,
     ) -> None:
         self._metrics = CachedMetrics(registry)
         self._loops = loops
+        self._landing = LandingSources(node, loops, health, probes, docs_url, telemetry)
 
     def __call__(self, environ: Environ, start_response: StartResponse) -> Iterable[bytes]:
         path = environ.get("PATH_INFO", "/")
@@ -344,8 +608,14 @@ class ExporterApp:
             start_response("200 OK", [("Content-Type", "text/plain")])
             return [b"ok\n"]
         if path == "/":
-            start_response("200 OK", [("Content-Type", "text/html; charset=utf-8")])
-            return [_landing_page(self._loops())]
+            start_response(
+                "200 OK",
+                [
+                    ("Content-Type", "text/html; charset=utf-8"),
+                    ("Content-Security-Policy", landing.CONTENT_SECURITY_POLICY),
+                ],
+            )
+            return [landing.render(self._landing)]
         start_response("404 Not Found", [("Content-Type", "text/plain")])
         return [b"not found; try /metrics\n"]
 
@@ -373,8 +643,18 @@ class ExporterServer:
     """
 
     def __init__(
-        self, host: str, port: int, app: ExporterApp, web_config_file: Path | None = None
+        self,
+        host: str,
+        port: int,
+        app: ExporterApp,
+        web_config_file: Path | None = None,
+        *,
+        header_timeout_seconds: float = DEFAULT_HEADER_TIMEOUT_SECONDS,
+        max_connections: int = DEFAULT_MAX_CONNECTIONS,
+        auth_rate_per_second: float = DEFAULT_AUTH_RATE_PER_SECOND,
     ) -> None:
+        self._header_timeout = header_timeout_seconds
+        self._max_connections = max_connections
         served: ExporterApp | AuthApp = app
         tls: ServerTls | None = None
         if web_config_file is not None:
@@ -384,7 +664,7 @@ class ExporterServer:
             except webconfig.WebConfigError as exc:
                 raise ListenError(f"exporter.web_config_file: {exc}") from None
             if web.users:
-                served = AuthApp(app, BasicAuth(web.users))
+                served = AuthApp(app, BasicAuth(web.users, auth_rate_per_second))
             if web.users and tls is None:
                 log.warning(
                     "exporter: basic auth without TLS: passwords cross the network in clear text"
@@ -412,9 +692,11 @@ class ExporterServer:
         return int(self._server.server_address[1])
 
     def start(self) -> None:
+        self._server.configure(self._header_timeout, self._max_connections)
         self._thread.start()
 
     def stop(self) -> None:
         if self._thread.is_alive():  # shutdown() would wait for a serve_forever that never ran
             self._server.shutdown()
+        self._server.stop_workers()
         self._server.server_close()

@@ -174,6 +174,10 @@ class ProbeScheduler:
         self._running: dict[tuple[str, str], bool] = {}
         self._stopping = threading.Event()
         self.sysfs = Path("/sys")  # where node-wide CPU runs find the NUMA nodes
+        # Who holds a device (its pods or Slurm jobs, in words; "" if unknown), for skip reasons.
+        self.occupants: Callable[[str], str] | None = None
+        # Told of every recorded run (run, analysis, stack id), outside the scheduler's lock.
+        self.listeners: list[Callable[[ProbeRun, RunAnalysis | None, str | None], None]] = []
 
     def devices(self) -> list[ProbeDevice]:
         """The GPUs the NVML collector reports, or the CPU where it reports none. Its first poll
@@ -266,6 +270,11 @@ class ProbeScheduler:
     ) -> list[ProbeRun]:
         """``run_node_analysed``, the runs only."""
         return [run for run, _ in self.run_node_analysed(spec, members, force, command)]
+
+    def couplings(self) -> dict[ProbeKey, Coupling]:
+        """The latest coupling ratio of every device (and of the node, device "node")."""
+        with self._lock:
+            return dict(self._coupling)
 
     def coupling(self, spec: ProbeSpec) -> Coupling | None:
         """The latest coupling ratio of ``spec``'s device (or the node, device "node")."""
@@ -533,10 +542,12 @@ class ProbeScheduler:
         if device.members:  # node-wide: every GPU must pass its own checks
             reasons = (self.skip_reason(replace(spec, device=m)) for m in device.members)
             return next((reason for reason in reasons if reason is not None), None)
-        if device.parent is not None:
-            return self._mig_busy(device)
         if device.kind == "cuda":
-            return self._gpu_busy(device, now)
+            busy_gpu = self._mig_busy(device) if device.parent else self._gpu_busy(device, now)
+            held = self.occupants(device.key) if busy_gpu and self.occupants else ""
+            # Who held it goes into the skip's reason in the archive: "which job kept the probe
+            # off GPU 3" has an answer later.
+            return f"{busy_gpu} (held by {held})" if held else busy_gpu
         busy = self._busy_mean(device, "cpu_utilization_ratio", now)
         if busy is not None and busy > self.settings.busy_cpu_utilization:
             return (
@@ -729,6 +740,11 @@ class ProbeScheduler:
                 self._writer.finish(run, analysis=analysis, stack_id=stack_id, coupling=coupling)
             except RecordError as exc:
                 log.error("probe %s not archived: %s", spec.name, exc)
+        for listener in self.listeners:
+            try:
+                listener(run, analysis, stack_id)
+            except Exception:  # a listener's bug must not lose the run's record
+                log.exception("probe %s: a listener failed", spec.name)
 
     def restore(self, results: Iterable[tuple[ProbeKey, float, ProbeResult]]) -> int:
         """Take the latest archived result of each probe (key, end time, result) as if it had

@@ -54,20 +54,35 @@ class RingBuffer:
             yield self.times[index], self.values[index]
 
     def window(self, since: float) -> WindowStats | None:
-        """Mean and max of the finite values with timestamp >= ``since``; None if there are none."""
-        total = 0.0
-        peak = -math.inf
-        count = 0
-        for timestamp, value in self.newest_first():
-            if timestamp < since:
-                break
-            if math.isfinite(value):
-                total += value
-                peak = max(peak, value)
-                count += 1
+        """Mean and max of the finite values with timestamp >= ``since``; None if there are none.
+
+        Timestamps are appended in order, so the window's start is found by bisection and its
+        values are summed as array slices in C: a scrape computes hundreds of these."""
+        size = self._size
+        capacity = self.capacity
+        start = (self._next - size) % capacity  # the oldest entry
+        times = self.times
+        low, high = 0, size
+        while low < high:  # the first entry at or after ``since``
+            middle = (low + high) // 2
+            if times[(start + middle) % capacity] < since:
+                low = middle + 1
+            else:
+                high = middle
+        count = size - low
         if count == 0:
             return None
-        return WindowStats(mean=total / count, max=peak, count=count)
+        first = (start + low) % capacity
+        end = first + count
+        values = self.values
+        chunk = values[first:end] if end <= capacity else values[first:] + values[: end - capacity]
+        total = math.fsum(chunk)
+        if math.isfinite(total):
+            return WindowStats(mean=total / count, max=max(chunk), count=count)
+        finite = [value for value in chunk if math.isfinite(value)]  # a NaN or inf reading
+        if not finite:
+            return None
+        return WindowStats(mean=math.fsum(finite) / len(finite), max=max(finite), count=len(finite))
 
 
 class TelemetryStore:
@@ -101,6 +116,12 @@ class TelemetryStore:
         with self._lock:
             buffer = self._buffers.get(key)
             return None if buffer is None else buffer.window(since)
+
+    def windows(self, keys: list[SeriesKey], since: float) -> list[WindowStats | None]:
+        """``window`` of each key, under one acquisition of the lock."""
+        with self._lock:
+            buffers = [self._buffers.get(key) for key in keys]
+            return [None if buffer is None else buffer.window(since) for buffer in buffers]
 
     def points(self, key: SeriesKey, since: float) -> list[tuple[float, float]]:
         """The (timestamp, value) pairs of one series from ``since`` on, oldest first."""

@@ -13,7 +13,7 @@ from types import MappingProxyType
 
 import pynvml
 
-from collectors.base import Field
+from collectors.base import BOTH, MEAN, PEAK, Field, WindowStat
 
 ID = ("device", "uuid")
 
@@ -105,8 +105,15 @@ GPM_METRICS = (
 )
 
 
-def _gauge(stem: str, unit: str, help_text: str, *labels: str, **flags: bool) -> Field:
-    return Field(stem, unit, "gauge", help_text, (*ID, *labels), **flags)
+def _gauge(
+    stem: str,
+    unit: str,
+    help_text: str,
+    *labels: str,
+    windowed: tuple[WindowStat, ...] = (),
+    rollup: bool = True,
+) -> Field:
+    return Field(stem, unit, "gauge", help_text, (*ID, *labels), windowed=windowed, rollup=rollup)
 
 
 def _counter(stem: str, unit: str, help_text: str, *labels: str) -> Field:
@@ -180,7 +187,7 @@ _FIELDS = (
         "hertz",
         "Current clock. Source: nvmlDeviceGetClockInfo.",
         "clock",
-        windowed=True,
+        windowed=BOTH,
     ),
     _gauge(
         "gpu_clock_max",
@@ -194,7 +201,7 @@ _FIELDS = (
         "watts",
         "Power draw, instantaneous. Source: field NVML_FI_DEV_POWER_INSTANT; on drivers without "
         "it nvmlDeviceGetPowerUsage (a 1 s average on Ampere and newer, GA100 excepted).",
-        windowed=True,
+        windowed=BOTH,
     ),
     _gauge(
         "gpu_power_average",
@@ -217,7 +224,7 @@ _FIELDS = (
         "Temperature of the GPU die or its memory. Source: nvmlDeviceGetTemperatureV "
         "(GetTemperature on old drivers); memory: field NVML_FI_DEV_MEMORY_TEMP.",
         "sensor",
-        windowed=True,
+        windowed=PEAK,
     ),
     _gauge(
         "gpu_temperature_threshold",
@@ -232,13 +239,13 @@ _FIELDS = (
         "ratio",
         "Share of time a kernel ran (not how busy the SMs were). "
         "Source: nvmlDeviceGetUtilizationRates.",
-        windowed=True,
+        windowed=BOTH,
     ),
     _gauge(
         "gpu_memory_utilization",
         "ratio",
         "Share of time device memory was read or written. Source: nvmlDeviceGetUtilizationRates.",
-        windowed=True,
+        windowed=BOTH,
     ),
     _gauge(
         "gpu_memory_total",
@@ -280,7 +287,7 @@ _FIELDS = (
         "bytes_per_second",
         "PCIe throughput over the driver's last 20 ms. Source: nvmlDeviceGetPcieThroughput.",
         "direction",
-        windowed=True,
+        windowed=MEAN,
     ),
     _gauge(
         "gpu_fan_speed",
@@ -298,7 +305,7 @@ _FIELDS = (
         "1 while this reason holds the clocks down, else 0. Source: "
         "nvmlDeviceGetCurrentClocksEventReasons (GetCurrentClocksThrottleReasons on old drivers).",
         "reason",
-        windowed=True,
+        windowed=PEAK,
     ),
     _counter(
         "gpu_clock_event_reason",
@@ -356,21 +363,21 @@ _FIELDS = (
         "ratio",
         "DRAM bandwidth used against the peak (Hopper and newer). Source: GPM "
         "NVML_GPM_METRIC_DRAM_BW_UTIL.",
-        windowed=True,
+        windowed=MEAN,
     ),
     _gauge(
         "gpu_sm_occupancy",
         "ratio",
         "Active warps against the maximum (Hopper and newer). Source: GPM "
         "NVML_GPM_METRIC_SM_OCCUPANCY.",
-        windowed=True,
+        windowed=MEAN,
     ),
     _gauge(
         "gpu_tensor_activity",
         "ratio",
         "Share of time the SMs ran tensor instructions (Hopper and newer). Source: GPM "
         "NVML_GPM_METRIC_ANY_TENSOR_UTIL.",
-        windowed=True,
+        windowed=MEAN,
     ),
     _gauge(
         "gpu_foreign_compute_processes",
