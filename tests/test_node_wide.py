@@ -102,6 +102,10 @@ def test_two_gpus_sharing_the_cores_lose_to_each_other_and_the_runs_overlap(
     _, log = cpu_wrapper(tmp_path)
     node_children = [child for child in wrapped_runs(log) if "--start-on-stdin" in child["argv"]]
     assert sorted(child["gpus"] for child in node_children) == [GPU0, GPU1]
+    # Each sized for the one neighbour it is measured beside.
+    for child in node_children:
+        at = child["argv"].index("--neighbours")
+        assert child["argv"][at + 1] == "1", child["argv"]
     # Two overlapping series: released together, measured together.
     first, second = (run.iterations for run in devices)
     assert abs(first[0].start - second[0].start) < 0.5

@@ -93,13 +93,18 @@ def calibrate(
     *,
     duration: float,
     min_iterations: int | None,
+    neighbours: int = 0,
 ) -> Calibrated:
     """Build the workload at the size that fits; as asked where no minimum is given or the
-    workload cannot shrink."""
+    workload cannot shrink. With ``neighbours`` (the other children of a node-wide run), the
+    problem is sized for ``neighbours + 1`` times the minimum: a child that sizes while its
+    neighbours are still starting, or already wait at the start barrier, sizes alone, and is
+    then measured beside them (on shared CPUs, half as fast with one neighbour)."""
     if min_iterations is None or workload_class.max_shrink == 0:
         return Calibrated(workload_class(request, device))
-    share = duration / min_iterations
+    share = duration / (min_iterations * (neighbours + 1))
     workload, _, fit = _fit(workload_class, request, device, timer, share)
+    fit["neighbours"] = neighbours
     calibrated = Calibrated(workload, fit)
     why = precisions.native_reason(request.precision, device)
     if why is not None:

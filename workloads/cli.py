@@ -63,6 +63,12 @@ def _positive_int(text: str) -> int:
     return int(text)
 
 
+def _count(text: str) -> int:
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"must be a whole number, not {text!r}")
+    return int(text)
+
+
 def _parser() -> _Parser:
     parser = _Parser(prog="workloads", description="sustain probe workloads (JSON lines out)")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -78,6 +84,13 @@ def _parser() -> _Parser:
         "--min-iterations",
         type=_positive_int,
         help="size the problem so that this many iterations fit the duration (default: as is)",
+    )
+    run.add_argument(
+        "--neighbours",
+        type=_count,
+        default=0,
+        help="other children measured at once (a node-wide run): size the problem for this "
+        "many more times the minimum of iterations (default 0)",
     )
     run.add_argument("--size", default="default", choices=["small", "default"])
     run.add_argument("--threads", type=_positive_int, help="torch threads (default: torch's)")
@@ -144,6 +157,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             max_iterations=args.max_iterations,
             emitter=emitter,
             min_iterations=args.min_iterations,
+            neighbours=args.neighbours,
             cpu_binding=binding,
             start=_line_on_stdin if args.start_on_stdin else None,
         )

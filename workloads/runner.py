@@ -36,13 +36,15 @@ def run(
     max_iterations: int | None,
     emitter: Emitter,
     min_iterations: int | None = None,
+    neighbours: int = 0,
     cpu_binding: dict[str, Any] | None = None,
     start: Callable[[], bool] | None = None,
 ) -> None:
     """Run one probe to completion; an Unsupported outcome is a line on stdout, not an error.
     ``cpu_binding`` (workloads.affinity.bind) goes into the manifest as it is. ``start``, where
     given, is called between the manifest and the first iteration and returns whether to go on:
-    the start barrier of a node-wide run (the agent releases every device's child at once)."""
+    the start barrier of a node-wide run (the agent releases every device's child at once).
+    ``neighbours``: the other children of that run, which sizing leaves room for."""
     try:
         device = probe(device_spec)
         reason = workload_class.unsupported_reason(device, request.precision, request.optimization)
@@ -60,6 +62,7 @@ def run(
             timer,
             duration=duration,
             min_iterations=min_iterations,
+            neighbours=neighbours,
         )
     except Unsupported as exc:
         emitter.emit(_unsupported(workload_class, request, device_spec, exc))

@@ -457,7 +457,10 @@ class ProbeRunner:
     ) -> list[str]:
         if command is not None:
             return list(command)
-        return [*self.command(spec), *(["--start-on-stdin"] if start is not None else [])]
+        if start is None:
+            return self.command(spec)
+        # Sized for the neighbours it will be measured beside (workloads/calibration.py).
+        return [*self.command(spec), "--start-on-stdin", "--neighbours", str(start.parties - 1)]
 
     def _readers(
         self,
