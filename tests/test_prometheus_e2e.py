@@ -82,10 +82,22 @@ xid 1 6 13
 # Every probe's throughput, whatever its unit (one family per unit), for failure messages.
 THROUGHPUT = '{__name__=~"sustain_probe_(flops|bytes_per_second|tokens_per_second)"}'
 
-# The probe interpreter: the real workloads, on the CPU instead of the GPU they were given.
+# The probe interpreter: the real workloads, on the CPU instead of the GPU they were given. Each
+# fake GPU's solo probes get a core of their own (GPU N: the Nth core the agent may use, one
+# torch thread), as real GPUs do not share their compute: a probe on GPU 0 then keeps its steady
+# state while GPU 1's probes start and stop (on shared cores, each start is a step). The children
+# of a node-wide run (--start-on-stdin) share the first core: each keeps about half of its solo
+# throughput, the loss the node-wide panels and the coupling cause show.
 WRAPPER = """#!{python}
 import os, sys
-args = ["cpu" if arg.startswith("cuda") else arg for arg in sys.argv[1:]]
+argv = sys.argv[1:]
+args = ["cpu" if arg.startswith("cuda") else arg for arg in argv]
+if "run" in args:
+    device = argv[argv.index("--device") + 1] if "--device" in argv else "cpu"
+    index = int(device.partition(":")[2] or 0)
+    cores = sorted(os.sched_getaffinity(0))
+    core = cores[0 if "--start-on-stdin" in args else index % len(cores)]
+    args += ["--cpus", str(core), "--threads", "1"]
 os.execv({python!r}, [{python!r}, *args])
 """
 
@@ -223,14 +235,16 @@ def start_agent(fake_nvml: Path, tmp_path: Path) -> tuple[subprocess.Popen[bytes
             precisions = ["fp32"]
             duration_seconds = 10  # 30 decode steps even at 0.33 s each on a loaded machine
             size = "small"
-            interval_seconds = 300
+            # Every minute, as membw below: a run that found no steady state (another probe
+            # started or ended in its last stretch) is followed by one that may.
+            interval_seconds = 60
             jitter_seconds = 0
             [[probing.plan]]
             workload = "membw"
             precisions = ["fp32"]
             duration_seconds = 3
             size = "small"
-            interval_seconds = 300
+            interval_seconds = 60
             jitter_seconds = 0
             [[probing.plan]]
             workload = "attention"
@@ -336,6 +350,7 @@ def test_every_dashboard_query_and_rule_returns_data(stack_running: tuple[str, P
         "increase(sustain_stack_changes_total[5m]) > 0",
         'sustain_probe_flops{stat="steady",uuid!=""}',
         'sustain_probe_bytes_per_second{stat="steady"}',  # membw: the B/s rules need one
+        'sustain_probe_tokens_per_second{stat="steady"}',  # inference: the tokens/s rules
         'sustain_probe_node_coupling_ratio{device="node"}',  # a node-wide run after a solo one
         "instance_device:sustain_probe_flops_steady:median7d",
     ):

@@ -161,6 +161,7 @@ def test_every_expression_answers_from_victoriametrics(long_term: tuple[str, str
         "increase(sustain_stack_changes_total[5m]) > 0",
         'sustain_probe_flops{stat="steady",uuid!=""}',
         'sustain_probe_bytes_per_second{stat="steady"}',
+        'sustain_probe_tokens_per_second{stat="steady"}',
         'sustain_probe_node_coupling_ratio{device="node"}',
         "instance_device:sustain_probe_flops_steady:median7d",
     ):
