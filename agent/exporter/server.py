@@ -407,9 +407,12 @@ class _ThreadingServer(WSGIServer):
     """
 
     allow_reuse_address = True
-    # wsgiref speaks HTTP/1.0: every scrape is a new connection. Python's default backlog of 5
-    # drops connection attempts in a burst, which the client retries a second later.
-    request_queue_size = 128
+    # wsgiref speaks HTTP/1.0: every scrape is a new connection. A burst beyond the listen
+    # backlog (Python's default: 5) is not refused: the kernel drops the handshake's last ACK,
+    # the client believes it is connected, and the connection reaches accept() only after
+    # SYN-ACK retransmits 1, 3, 7 or 15 s later. As Go's servers (node_exporter): the most the
+    # kernel allows, which it caps at net.core.somaxconn (4,096 on current kernels).
+    request_queue_size = socket.SOMAXCONN
     tls: ServerTls | None = None
     header_timeout = DEFAULT_HEADER_TIMEOUT_SECONDS
     _gate: HeaderGate | None = None
