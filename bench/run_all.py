@@ -66,7 +66,7 @@ STEPS = (
         ("--gpus", "8", "--seconds", "15", "--rest-requests", "60"),
         600,
     ),
-    Step("analysis", "analysis.py", (), (), 600),
+    Step("analysis", "analysis.py", (), ("--quick",), 600),
     Step("ingest", "ingest.py", (), ("--batches", "20", "--runs", "50"), 1200),
     Step("capacity", "capacity.py", (), ("--results", "100000"), 3600),
     # The traffic of 10,000 nodes from 20 agents for 30 s (the acceptance run is 200 agents for
@@ -242,13 +242,26 @@ def scrape_rows(r: dict[str, Any]) -> Iterator[Row]:
 
 def analysis_rows(r: dict[str, Any]) -> Iterator[Row]:
     for size in r["sizes"]:
-        yield (
-            f"steady-state analysis, median of {r['runs']} (`analysis.py`)",
-            f"time, n = {size['n']}",
-            f"{size['median_ms']:.1f} ms ({size['classification']})",
-            f"<= {size['target_ms']:.0f} ms",
-            verdict(size["median_ms"] <= size["target_ms"]),
-        )
+        label = f"steady-state analysis, best/median of {r['runs']} (`analysis.py`)"
+        if size["n"] <= 5000 and size["target_s"] is not None:
+            yield (
+                label,
+                f"analysis time, n = {size['n']}",
+                f"{size['analysis_s'] * 1000:.1f} ms ({size['classification']})",
+                f"<= {size['target_s'] * 1000:.0f} ms",
+                verdict(size["analysis_s"] <= size["target_s"]),
+            )
+        elif size["target_s"] is not None:
+            yield (
+                label,
+                f"child's time and peak RSS, n = {size['n']}",
+                f"{size['median_s']:.2f} s, {size['peak_rss_mb']:.0f} MB",
+                f"<= {size['target_s']:g} s, <= {size['target_mb']:g} MB",
+                verdict(
+                    size["median_s"] <= size["target_s"]
+                    and size["peak_rss_mb"] <= size["target_mb"]
+                ),
+            )
 
 
 def backends_in_order(figures: dict[str, Any]) -> list[tuple[str, Any]]:

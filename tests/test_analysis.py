@@ -29,12 +29,16 @@ from agent.analysis import (
     latency_percentiles,
 )
 from agent.analysis.changepoints import pelt_mean
+from agent.analysis.figures import MAX_TEXTURE_PERIOD
 from agent.analysis.input import SeriesInputError, analyze_file, read_series
 from agent.analysis.mser import mser5
 from agent.analysis.outliers import inlier_mask
 from agent.analysis.summary import render_summary
 
 C = Classification
+# A cycle of up to MAX_TEXTURE_PERIOD iterations is the workload's texture (two kernels
+# alternating, a pause every few iterations), not an oscillation (issue 23).
+OSCILLATION_MIN_PERIOD = MAX_TEXTURE_PERIOD + 2.0
 KINDS_PER_CLASS = {
     "flat": 30,
     "warmup_step": 25,
@@ -97,7 +101,7 @@ def make_case(kind: str, seed: int) -> Case:
         base[start:] = 1.0 - rng.uniform(0.06, 0.3)
     elif kind == "oscillation":
         start = None
-        period = max(8.0, rng.uniform(n / 40, n / 6))
+        period = max(OSCILLATION_MIN_PERIOD, rng.uniform(n / 40, n / 6))
         wave = np.sin(2 * np.pi * i / period + rng.uniform(0, 2 * np.pi))
         if rng.random() < 0.5:
             wave = np.sign(wave)

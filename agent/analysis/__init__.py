@@ -1,7 +1,9 @@
 """Steady state versus peak for one probe's iteration series: pure functions, no I/O.
 
+`analyze_work(work, seconds, end_times)` for iterations as work done and seconds taken,
 `analyze(throughput, end_times, tolerance=0.02)` for a throughput series and
-`analyze_durations(seconds_per_iteration)` for a duration series return a `SteadyStateResult`.
+`analyze_durations(seconds_per_iteration)` for a duration series return a `SteadyStateResult`,
+whose steady and peak figures are work over time.
 """
 
 from agent.analysis.figures import latency_percentiles
@@ -11,6 +13,7 @@ from agent.analysis.steady import (
     InvalidSeriesError,
     analyze,
     analyze_durations,
+    analyze_work,
 )
 from agent.verdict import MIN_ITERATIONS
 
@@ -22,5 +25,6 @@ __all__ = [
     "SteadyStateResult",
     "analyze",
     "analyze_durations",
+    "analyze_work",
     "latency_percentiles",
 ]

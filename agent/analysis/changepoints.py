@@ -17,6 +17,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 NOISE_WINDOW = 25
+MEDIAN_CHUNK = 16_384
 
 
 def noise_scale(values: NDArray[np.float64]) -> float:
@@ -30,7 +31,12 @@ def noise_scale(values: NDArray[np.float64]) -> float:
     window = min(NOISE_WINDOW, values.size)
     if window < 3:
         return 1.0
-    medians = np.median(np.lib.stride_tricks.sliding_window_view(values, window), axis=1)
+    view = np.lib.stride_tricks.sliding_window_view(values, window)
+    medians = np.empty(view.shape[0])
+    for first in range(0, medians.size, MEDIAN_CHUNK):  # bounded memory for hour-long runs
+        medians[first : first + MEDIAN_CHUNK] = np.median(
+            view[first : first + MEDIAN_CHUNK], axis=1
+        )
     centre = window // 2
     residual = values[centre : centre + medians.size] - medians
     scale = float(np.max(np.abs(values)))

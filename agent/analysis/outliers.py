@@ -13,6 +13,8 @@ from numpy.typing import NDArray
 
 DEFAULT_WINDOW = 200
 DEFAULT_K = 3.0
+EXACT_WINDOWS = 20_000
+CHUNK = 2048  # windows sorted at once
 
 
 def inlier_mask(
@@ -24,13 +26,21 @@ def inlier_mask(
     if w < 3:
         return np.ones(n, dtype=np.bool_)
     starts = np.clip(np.arange(n) - w // 2, 0, n - w)
-    # Windows only differ where the centre moves, so sort each distinct window once.
-    unique_starts, inverse = np.unique(starts, return_inverse=True)
-    windows = np.sort(np.lib.stride_tricks.sliding_window_view(values, w)[unique_starts], axis=1)
-    median = windows[:, (w - 1) // 2] * 0.5 + windows[:, w // 2] * 0.5
-    p10 = windows[:, int(0.1 * (w - 1))]
-    p90 = windows[:, int(np.ceil(0.9 * (w - 1)))]
-    band = k * (p90 - p10)
+    # Windows only differ where the centre moves; past `EXACT_WINDOWS` distinct windows the band
+    # is taken from every `stride`-th one (it changes slowly: neighbours share all but a few
+    # points), so a long run costs O(n) memory and a bounded number of sorts.
+    stride = max(1, (n - w + 1) // EXACT_WINDOWS)
+    unique_starts = np.arange(0, n - w + 1, stride)
+    inverse = np.minimum((starts + stride // 2) // stride, unique_starts.size - 1)
+    median = np.empty(unique_starts.size)
+    band = np.empty(unique_starts.size)
+    view = np.lib.stride_tricks.sliding_window_view(values, w)
+    for first in range(0, unique_starts.size, CHUNK):
+        windows = np.sort(view[unique_starts[first : first + CHUNK]], axis=1)
+        median[first : first + CHUNK] = windows[:, (w - 1) // 2] * 0.5 + windows[:, w // 2] * 0.5
+        p10 = windows[:, int(0.1 * (w - 1))]
+        p90 = windows[:, int(np.ceil(0.9 * (w - 1)))]
+        band[first : first + CHUNK] = k * (p90 - p10)
     deviation = np.abs(values - median[inverse])
     keep: NDArray[np.bool_] = deviation <= band[inverse]
     return keep

@@ -25,11 +25,18 @@ class Classification(StrEnum):
 class SteadyStateResult:
     """Figures of one series; throughputs are in the unit of the input (work per second).
 
+    Every throughput is delivered work over time (DESIGN.md, analysis step 4): `steady_throughput`
+    is the total work of the steady regime over its total time, every iteration counted, with
+    `steady_ci` its 99% circular-block-bootstrap interval (blocks of `bootstrap_block_iterations`);
+    `peak_throughput` the best `peak_window_iterations` consecutive iterations by the same rule
+    (never below the steady value); `sustained_ratio` steady over peak. `texture_period` is the
+    period of a short repeating pattern the regimes were judged over (1: none).
+
     `steady_start_index` and `changepoints` are indices into the original series (outliers
     included), so they can be laid over the raw iterations. `warmup_seconds` is the time from the
     start of the run to the start of the steady regime, known only when end times were given.
-    `warmup_throughput` is the mean throughput before the steady regime (outliers left out, as
-    for the steady value), given only for the `warmup` class.
+    `warmup_throughput` is the work over time before the steady regime, given only for the
+    `warmup` class.
     """
 
     classification: Classification
@@ -49,6 +56,9 @@ class SteadyStateResult:
     latency_p90_seconds: float | None = None
     latency_p99_seconds: float | None = None
     warmup_throughput: float | None = None
+    peak_window_iterations: int | None = None
+    bootstrap_block_iterations: int | None = None
+    texture_period: int = 1
 
     @property
     def has_steady_state(self) -> bool:
@@ -70,6 +80,9 @@ class SteadyStateResult:
             "changepoints": list(self.changepoints),
             "warmup_seconds": self.warmup_seconds,
             "warmup_throughput": self.warmup_throughput,
+            "peak_window_iterations": self.peak_window_iterations,
+            "bootstrap_block_iterations": self.bootstrap_block_iterations,
+            "texture_period": self.texture_period,
             "mser5_index": self.mser5_index,
             "outliers": self.outliers,
             "tolerance": self.tolerance,

@@ -6,15 +6,19 @@ from agent.analysis.result import SteadyStateResult
 
 
 def render_summary(result: SteadyStateResult, unit: str = "iterations/s") -> str:
-    """Classification first, then peak, steady with its CI, the sustained ratio and the warm-up
-    (in seconds where the series gave times, else in iterations), then why."""
+    """Classification first, then peak over its window, steady with its interval, the sustained
+    ratio and the warm-up (in seconds where the series gave times, else in iterations), then why.
+    Every throughput is work over time (docs/design.md)."""
     lines = [f"{result.classification.value} ({result.n} iterations)"]
     if result.peak_throughput is not None:
-        lines.append(f"peak      {result.peak_throughput:.6g} {unit}")
+        window = result.peak_window_iterations
+        over = "" if window is None else f" (best {window} consecutive iterations)"
+        lines.append(f"peak      {result.peak_throughput:.6g} {unit}{over}")
     if result.steady_throughput is not None and result.steady_ci is not None:
         low, high = result.steady_ci
         lines.append(
-            f"steady    {result.steady_throughput:.6g} {unit} (99% CI {low:.6g} to {high:.6g})"
+            f"steady    {result.steady_throughput:.6g} {unit}, work over time of the steady "
+            f"regime (99% CI {low:.6g} to {high:.6g})"
         )
     if result.sustained_ratio is not None:
         lines.append(f"sustained {result.sustained_ratio:.1%} of peak")

@@ -12,12 +12,12 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, NoReturn
-
-import tomli_w
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from agent import __version__
-from agent.config import settings as config
+
+if TYPE_CHECKING:  # imported where used: `sustain analyze` needs neither pydantic nor SQLAlchemy
+    from agent.config import settings as config
 
 EXIT_OK = 0
 EXIT_USAGE = 2
@@ -63,6 +63,8 @@ _FLAG_NAMES = {
 
 
 def _settings(args: argparse.Namespace) -> config.Settings:
+    from agent.config import settings as config
+
     overrides: dict[str, dict[str, Any]] = {}
     if getattr(args, "database", None):
         overrides.setdefault("archive", {})["database_url"] = args.database
@@ -103,6 +105,8 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_config_check(args: argparse.Namespace) -> int:
+    from agent.config import settings as config
+
     problems = config.check_file(args.file)
     if problems:
         for problem in problems:
@@ -113,6 +117,10 @@ def cmd_config_check(args: argparse.Namespace) -> int:
 
 
 def cmd_config_show(args: argparse.Namespace) -> int:
+    import tomli_w
+
+    from agent.config import settings as config
+
     print(tomli_w.dumps(_without_none(config.redacted(_settings(args)))), end="")
     return EXIT_OK
 
@@ -365,7 +373,7 @@ def cmd_health(args: argparse.Namespace) -> int:
 
 
 def _add_health_command(commands: Any) -> None:
-    from agent.cli.health import add_arguments
+    from agent.cli.health_flags import add_arguments
 
     health = commands.add_parser(
         "health",
@@ -443,7 +451,10 @@ def _positive_seconds(text: str) -> float:
 
 CAPACITY_COLUMNS = """\
 The table has a section per probe (workload, precision, optimization), headed by
-the unit of its figures, and in it a line per group, problem size and scope:
+the unit of its figures, and in it a line per group, problem size and scope.
+Every ok run counts: one with a steady state on its steady throughput, one the
+analysis found never settled on its p10 over one-second windows, in a section
+of its own headed "p10 basis (no steady state)" (the two never mix):
   MODEL    the group: the device's model (--by model), its node (NODE) or its
            software stack's id, first 12 characters (STACK); "-" where the
            runs did not record it
@@ -452,22 +463,27 @@ the unit of its figures, and in it a line per group, problem size and scope:
   SCOPE    solo: the device ran alone; node-wide: each device while every
            device of its node ran at once (what production sees: plan with
            it); node-total: the node's sum in those runs; scopes never mix
-  MEDIAN   median of the runs' steady-state throughput, in the heading's unit
-           with an SI prefix: 712.3 T in a FLOP/s section is 712.3e12 FLOP/s
+  MEDIAN   median of the runs' steady-state throughput (p10 basis: of their
+           p10s), in the heading's unit with an SI prefix: 712.3 T in a
+           FLOP/s section is 712.3e12 FLOP/s
   P10      10th percentile of the same: 9 results in 10 were at least this
   SPEC     MEDIAN over the model's published dense peak, in percent; "-" where
            the peak is unknown, the group mixes models or the row is a
            node-total (a node's sum: the peak is a device's)
-  RESULTS  analysed ok runs with a steady state behind the figures
+  RESULTS  the runs behind the figures
   DEVICES  distinct devices (node and device) among those runs; for a
            node-total, the nodes
+Under the table: the runs used, on each basis, and the runs of the same probes
+and period left out, by why: failed, timeout, preempted, aborted, insufficient
+(too short to judge), or ok without a figure.
 Nothing is cut to fit the terminal (80 columns when there is none): a name too
 long for its column stands on a line of its own, its figures on the next; where
 not even the figures fit, each row is a block of one column a line, the figures
 with their full unit.
---json gives the same rows: group, workload, precision, optimization, size,
-scope (device, node or node_total), unit, median and p10 (in unit), results,
-devices, spec_ratio (0-1, or null).
+--json gives one object: "rows", each with group, workload, precision,
+optimization, size, scope (device, node or node_total), basis (steady or p10),
+unit, median and p10 (in unit), results, devices, spec_ratio (0-1, or null);
+and "runs": {"used": {"steady": N, "p10": N}, "left_out": {reason: N, ...}}.
 """
 
 
@@ -700,9 +716,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     handler: Callable[[argparse.Namespace], int] = args.handler
     try:
         return handler(args)
-    except config.ConfigError as exc:
-        for problem in exc.problems:
-            print(f"sustain: config: {problem}", file=sys.stderr)
     except UsageError as exc:
         print(f"sustain: error: {exc}", file=sys.stderr)
+    except Exception as exc:
+        # A ConfigError can only come from the settings module, so it is loaded if one is raised.
+        settings_module = sys.modules.get("agent.config.settings")
+        if settings_module is None or not isinstance(exc, settings_module.ConfigError):
+            raise
+        for problem in exc.problems:
+            print(f"sustain: config: {problem}", file=sys.stderr)
     return EXIT_USAGE
