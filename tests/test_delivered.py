@@ -58,6 +58,7 @@ def test_a_pause_every_fifty_iterations_costs_the_steady_figure_its_time() -> No
     assert result.steady_start_index == 0
     assert result.steady_throughput == pytest.approx(delivered(durations), rel=0.01)
     assert result.steady_ci is not None
+    assert result.steady_throughput is not None
     low, high = result.steady_ci
     assert low <= result.steady_throughput <= high
 
@@ -80,7 +81,8 @@ def test_peak_is_the_best_window_by_work_over_time() -> None:
     assert peak(work, seconds, 2) == pytest.approx(2.5)
     result = analyze_durations(noisy(24, 400))
     assert result.peak_window_iterations == 20
-    assert result.peak_throughput is not None and result.steady_throughput is not None
+    assert result.peak_throughput is not None
+    assert result.steady_throughput is not None
     assert result.peak_throughput >= result.steady_throughput
 
 
