@@ -196,6 +196,10 @@ def test_membw_bytes_follow_the_buffer_size() -> None:
     result_phases = run.result["phases"]
     assert set(result_phases) == {"copy", "triad"}
     assert result_phases["copy"]["iterations"] + result_phases["triad"]["iterations"] == len(phases)
+    for name, totals in result_phases.items():  # membw states nothing of its own per phase
+        assert set(totals) == {"iterations", "duration", "work", "throughput"}
+        assert totals["throughput"] == pytest.approx(totals["work"] / totals["duration"])
+        assert totals["iterations"] == phases.count(name)
     assert min(rates(run, "copy")) > 1e8
 
 
@@ -280,6 +284,12 @@ def test_inference_eager_reports_tokens_and_latency_percentiles() -> None:
     assert result["decode_tokens_per_second"] == pytest.approx(decode_tokens / decode_seconds)
     latency = result["latency_seconds"]
     assert 0 < latency["p50"] <= latency["p90"] <= latency["p99"]
+    # Each phase states its own figures; the per-token latency is decode's.
+    phases = result["phases"]
+    assert phases["decode"]["throughput"] == pytest.approx(result["decode_tokens_per_second"])
+    assert phases["prefill"]["throughput"] == pytest.approx(result["prefill_tokens_per_second"])
+    assert phases["decode"]["latency_seconds"] == latency
+    assert "latency_seconds" not in phases["prefill"]
     slowest = max(i["end"] - i["start"] for i in run.iterations if i["phase"] == "decode")
     assert latency["p99"] <= slowest
     # How many steps fit in 2 s depends on the machine's load; that some decode steps ran does not.

@@ -245,6 +245,13 @@ class Inference(Workload):
             "latency_seconds": percentiles(latencies),
         }
 
+    def phase_summary(self, phase: str, records: Sequence[Record]) -> dict[str, Any]:
+        """Decode's entry also carries the per-token latency (the top level's
+        ``latency_seconds``), so that the phase states its own figures."""
+        if phase != "decode":
+            return {}
+        return {"latency_seconds": percentiles([r.end - r.start for r in records])}
+
 
 def percentiles(values: Sequence[float]) -> dict[str, float] | None:
     """p50, p90, p99 (linear interpolation between order statistics); None without values."""

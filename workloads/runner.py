@@ -169,15 +169,14 @@ def result(workload: Workload, records: Sequence[Record]) -> dict[str, Any]:
     }
     phases = sorted({r.phase for r in records if r.phase is not None})
     if phases:
-        line["phases"] = {
-            phase: {
-                "iterations": sum(1 for r in records if r.phase == phase),
-                **_totals([r for r in records if r.phase == phase]),
-            }
-            for phase in phases
-        }
+        line["phases"] = {phase: _phase(workload, phase, records) for phase in phases}
     line.update(workload.summary(records))
     return line
+
+
+def _phase(workload: Workload, phase: str, records: Sequence[Record]) -> dict[str, Any]:
+    chosen = [r for r in records if r.phase == phase]
+    return {"iterations": len(chosen), **_totals(chosen), **workload.phase_summary(phase, chosen)}
 
 
 def _totals(records: Sequence[Record]) -> dict[str, Any]:

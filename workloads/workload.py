@@ -112,3 +112,9 @@ class Workload(ABC):
         """Workload-specific fields for the result line."""
         del records
         return {}
+
+    def phase_summary(self, phase: str, records: Sequence[Record]) -> dict[str, Any]:
+        """Workload-specific fields of one phase's entry in the result line's ``phases``
+        (``records`` are that phase's): what only that phase has, such as a latency."""
+        del phase, records
+        return {}

@@ -139,6 +139,19 @@ def _group(run: ProbeRun) -> tuple[str, str, str, str]:
     return run.spec.workload, run.spec.optimization, run.spec.device.key, unit
 
 
+# The figures of ``figures_json`` that the analysis computes on one phase's iterations only (all of
+# them for an unphased workload); ``throughput`` is the child's own, over every phase.
+ANALYSED_FIGURES = (
+    "peak",
+    "steady",
+    "steady_ci99",
+    "sustained_ratio",
+    "warmup_seconds",
+    "p10",
+    "p50",
+)
+
+
 def figures_json(analysis: RunAnalysis | None) -> dict[str, Any]:
     """The analysis under the keys docs/probe.md documents (``None`` where not stated)."""
     figures = {} if analysis is None else analysis.figures
@@ -160,6 +173,73 @@ def figures_json(analysis: RunAnalysis | None) -> dict[str, Any]:
         "work_per_joule": None if attribution is None else attribution.work_per_joule,
         "phase": figures.get("phase"),
     }
+
+
+def _number(value: object) -> float | None:
+    """A figure the child stated, as a float; None for anything else (it is not trusted)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    return float(value)
+
+
+def _count(value: object) -> int | None:
+    """An iteration count the child stated; None for anything else."""
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def phases_json(run: ProbeRun) -> dict[str, dict[str, Any]] | None:
+    """Each phase of a phased workload (inference: prefill, decode; membw: copy, triad) as the
+    child's result line states it: its iterations, work, timed seconds and throughput (work /
+    seconds, over that phase's iterations only), with units, in the order the phases first ran.
+    None for an unphased workload and for a run without a result line (one that was stopped)."""
+    stated = (run.result or {}).get("phases")
+    if not isinstance(stated, dict) or not stated:
+        return None
+    manifest = run.manifest or {}
+    ran = [i.phase for i in run.iterations if i.phase is not None and i.phase in stated]
+    order = list(dict.fromkeys(ran)) + sorted(name for name in stated if name not in ran)
+    phases: dict[str, dict[str, Any]] = {}
+    for name in order:
+        entry = stated[name] if isinstance(stated[name], dict) else {}
+        latency = entry.get("latency_seconds")
+        if isinstance(latency, dict):
+            latency = {key: _number(value) for key, value in latency.items()}
+        phases[name] = {
+            "iterations": _count(entry.get("iterations")),
+            "work": _number(entry.get("work")),
+            "work_unit": manifest.get("work_unit"),
+            "seconds": _number(entry.get("duration")),
+            "throughput": _number(entry.get("throughput")),
+            "unit": manifest.get("unit"),
+            "latency_seconds": latency if isinstance(latency, dict) else None,
+        }
+    return phases
+
+
+def coverage_json(run: ProbeRun, analysis: RunAnalysis | None) -> dict[str, Any]:
+    """What each figure of the run covers: the analysed figures one phase (``analysis``), the
+    ``throughput`` every phase (``throughput``); either is None where the run has no such figure.
+    Documented in docs/probe.md."""
+    unit = (run.manifest or {}).get("unit")
+    analysed = None
+    if analysis is not None:
+        phase = analysis.figures.get("phase")
+        analysed = {
+            "figures": list(ANALYSED_FIGURES),
+            "phase": phase,
+            "iterations": sum(1 for iteration in run.iterations if iteration.phase == phase),
+            "unit": unit,
+        }
+    whole = None
+    if run.throughput is not None:
+        phases = phases_json(run)
+        whole = {
+            "figures": ["throughput"],
+            "phases": None if phases is None else list(phases),
+            "iterations": _count((run.result or {}).get("iterations")),
+            "unit": unit,
+        }
+    return {"analysis": analysed, "throughput": whole}
 
 
 def run_json(
@@ -189,6 +269,8 @@ def run_json(
         "unit": (run.manifest or {}).get("unit"),
         "ratio_to_best": ratio,
         **figures_json(analysis),
+        "phases": phases_json(run),
+        "figures_cover": coverage_json(run, analysis),
         "analysis": None if analysis is None else analysis.as_dict(),
         "manifest": run.manifest,
         "result": run.result,
@@ -424,13 +506,7 @@ def render_run(
     lines: list[tuple[str | None, str]] = [(None, head)]
     if run.reason:
         lines.append(("reason", run.reason))
-    if analysis is not None:
-        lines += _figure_lines(figures_json(analysis), unit)
-    elif run.outcome == "ok":
-        lines.append(("throughput", f"{_human(run.throughput, unit)} (mean; not analysed)"))
-    elif run.outcome == "preempted":
-        kept = f"{len(run.iterations)} iterations kept for inspection; no figures from a run"
-        lines.append(("series", f"{kept} that yielded to production"))
+    lines += _measured_lines(run, analysis, unit)
     if ratio is not None and ratio < 1.0:
         lines.append(("vs best", f"{ratio:.3g} of the best precision of this workload here"))
     if coupling is not None:
@@ -449,6 +525,60 @@ def render_run(
             text, width, initial_indent=prefix, subsequent_indent=" " * len(prefix)
         )
     return "\n".join(out)
+
+
+def _phase_lines(
+    run: ProbeRun, phases: dict[str, dict[str, Any]], unit: str
+) -> list[tuple[str | None, str]]:
+    """The run's own throughput over every phase, then each phase's."""
+    count = _count((run.result or {}).get("iterations"))
+    every = "every phase" if count is None else f"every phase, {_iterations(count)}"
+    lines: list[tuple[str | None, str]] = [
+        ("throughput", f"{_human(run.throughput, unit)}: {every} (total work / total time)")
+    ]
+    for name, phase in phases.items():
+        text = f"{_human(phase['throughput'], unit)}: {_iterations(phase['iterations'])}"
+        if phase["seconds"] is not None:
+            text += f" in {phase['seconds']:.3g} s"
+        latency = phase["latency_seconds"]
+        if latency is not None:
+            quantiles = ", ".join(
+                f"{key} {_duration(value)}" for key, value in latency.items() if value is not None
+            )
+            text += f"; step latency {quantiles}"
+        lines.append((name, text))
+    return lines
+
+
+def _iterations(count: int | None) -> str:
+    return f"{count} iteration" + ("" if count == 1 else "s")
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds * 1e3:.3g} ms" if seconds < 1.0 else f"{seconds:.3g} s"
+
+
+def _measured_lines(
+    run: ProbeRun, analysis: RunAnalysis | None, unit: str
+) -> list[tuple[str | None, str]]:
+    """What the run measured: of a phased run, the throughput of every phase and of each, then
+    the analysis' figures, after the name of the phase they are about."""
+    phases = phases_json(run)
+    lines = [] if phases is None else _phase_lines(run, phases, unit)
+    if analysis is not None:
+        if phases is not None:
+            phase = analysis.figures.get("phase")
+            count = sum(1 for iteration in run.iterations if iteration.phase == phase)
+            text = f"{phase} only: the figures below are of its {_iterations(count)}"
+            lines.append(("analysed", text))
+        lines += _figure_lines(figures_json(analysis), unit)
+    elif run.outcome == "ok" and phases is None:
+        text = f"{_human(run.throughput, unit)} (all iterations; not analysed)"
+        lines.append(("throughput", text))
+    elif run.outcome == "preempted":
+        kept = f"{len(run.iterations)} iterations kept for inspection; no figures from a run"
+        lines.append(("series", f"{kept} that yielded to production"))
+    return lines
 
 
 def _figure_lines(figures: dict[str, Any], unit: str) -> list[tuple[str | None, str]]:
