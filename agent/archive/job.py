@@ -206,4 +206,5 @@ class ArchiveJob:
             spool_bytes=fleet.spool_bytes + local.spool_bytes,
             spool_oldest_timestamp=min(oldest) if oldest else None,
             rejected=fleet.rejected + local.rejected,
+            write_conflicts_retried=fleet.write_conflicts_retried + local.write_conflicts_retried,
         )

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import random
 import threading
 import time
 from collections.abc import Sequence
@@ -37,6 +38,9 @@ log = logging.getLogger(__name__)
 BATCH = 200
 MAX_BACKOFF_SECONDS = 30.0
 IDLE_WAKE_SECONDS = 5.0
+CONFLICT_SQLSTATES = frozenset({"40001", "40P01"})  # serialization_failure, deadlock_detected
+CONFLICT_RETRIES = 5
+CONFLICT_PAUSE_SECONDS = 0.05  # times the attempt, with jitter so colliding writers part ways
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,6 +55,15 @@ class ArchiveStatus:
     spool_bytes: int
     spool_oldest_timestamp: float | None
     rejected: int
+    write_conflicts_retried: int = 0
+
+
+def _conflict(exc: SQLAlchemyError) -> bool:
+    """Two writers' transactions collided (PostgreSQL's deadlock or serialization failure, as
+    when agents of a fleet update the same summary rows): retrying at once succeeds, and the
+    server asks clients to do so. Not an outage, so not a write error."""
+    sqlstate = getattr(getattr(exc, "orig", None), "sqlstate", None)
+    return sqlstate in CONFLICT_SQLSTATES
 
 
 def _transient(exc: SQLAlchemyError) -> bool:
@@ -81,6 +94,7 @@ class ArchiveSink:
         self._rows_written = 0
         self._events_written = 0
         self._write_errors = 0
+        self._conflicts_retried = 0
         self._rejected = 0
         self._last_write: float | None = None
         self._failing = False
@@ -170,8 +184,7 @@ class ArchiveSink:
 
     def _apply_one(self, item: SpoolItem) -> bool:
         try:
-            with self.engine.begin() as connection:
-                written = self._apply(connection, item)
+            written = self._apply_retrying_conflicts(item)
         except SQLAlchemyError as exc:
             error = str(archive_error(f"write {item.kind} to", self.engine, exc))
             if not _transient(exc):
@@ -197,6 +210,20 @@ class ArchiveSink:
                 self._events_written += written
             self._last_write = time.time()
         return True
+
+    def _apply_retrying_conflicts(self, item: SpoolItem) -> int:
+        for attempt in range(1, CONFLICT_RETRIES + 1):
+            try:
+                with self.engine.begin() as connection:
+                    return self._apply(connection, item)
+            except SQLAlchemyError as exc:
+                if attempt == CONFLICT_RETRIES or not _conflict(exc):
+                    raise
+                with self._counts_lock:
+                    self._conflicts_retried += 1
+                jitter = 0.5 + random.random()  # noqa: S311 - spreads retries, guards no secret
+                time.sleep(CONFLICT_PAUSE_SECONDS * attempt * jitter)
+        raise AssertionError("unreachable: the last attempt returns or raises")
 
     def _reject(self, item: SpoolItem, error: str) -> None:
         self.spool.reject(item.seq, error)
@@ -236,6 +263,7 @@ class ArchiveSink:
                 spool_bytes=stats.bytes,
                 spool_oldest_timestamp=stats.oldest_created,
                 rejected=self._rejected,
+                write_conflicts_retried=self._conflicts_retried,
             )
 
 
