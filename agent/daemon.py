@@ -40,7 +40,8 @@ from agent.health.monitor import HealthMonitor
 from agent.occupancy.tracker import Occupancy
 from agent.probes.devices import TelemetryCapture
 from agent.probes.runner import ProbeRunner
-from agent.probes.scheduler import ProbeKey, ProbeResult, ProbeScheduler
+from agent.probes.scheduler import ProbeScheduler
+from agent.probes.status import ProbeKey, ProbeResult
 from agent.stack.tracker import StackTracker
 from agent.telemetry.rollup import RollupBuilder
 from agent.telemetry.sampler import LoopStatus, SamplerLoop

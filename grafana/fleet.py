@@ -32,6 +32,8 @@ JOB = 'job=~"$job"'
 JOB_PROBE = f'{JOB}, workload=~"$workload", precision=~"$precision"'
 GPU_INFO = f'sustain_gpu_info{{{JOB}, name=~"$model"}}'
 WITH_MODEL = f"on (instance, uuid) group_left (name) {GPU_INFO}"
+# The labels that name one probe of one device, on every probe family.
+SAME_PROBE = "job, instance, device, uuid, workload, precision, optimization"
 
 
 def fleet() -> Json:
@@ -170,20 +172,32 @@ def _health(board: Board) -> None:
     )
 
 
+def _sustained(matchers: str) -> str:
+    """Each device's sustained figure, as the capacity rules record it, its `stat` the basis:
+    the steady value of its latest run, else, where that run never settled, its p10 over
+    one-second windows (a run too short to judge counts on neither)."""
+    steady = throughput(matchers, SOLO, 'stat="steady"')
+    p10 = throughput(matchers, SOLO, 'stat="p10"')
+    unsettled = f'sustain_probe_classification{{{matchers}, classification="no_steady_state"}}'
+    return f"{steady} or {p10} and on ({SAME_PROBE}) {unsettled}"
+
+
 def _capacity(board: Board) -> None:
     board.row("Capacity: sustained throughput per GPU model")
-    steady = throughput(JOB_PROBE, SOLO, 'stat="steady"') + f" * {WITH_MODEL}"
-    capacity = "name, workload, precision, optimization, unit"
+    sustained = f"({_sustained(JOB_PROBE)}) * {WITH_MODEL}"
+    capacity = "name, workload, precision, optimization, unit, stat"
     board.add(
         table(
             "Sustained throughput per GPU model and precision",
-            "Steady throughput of the latest run of every device, per GPU model (from "
-            "sustain_gpu_info), workload and precision: median, 10th percentile (what 90 % of "
-            "the devices sustain at least) and the number of devices.",
+            "The sustained figure of the latest run of every device, per GPU model (from "
+            "sustain_gpu_info), workload, precision and basis: steady (the work over time of the "
+            "steady state) or, for a run that never settled, p10 (its 10th percentile over "
+            "one-second windows), never mixed. Median, 10th percentile (what 90 % of the devices "
+            "sustain at least) and the devices on each basis; the runs left out are below.",
             [
-                Q(f"quantile by ({capacity}) (0.5, {steady})"),
-                Q(f"quantile by ({capacity}) (0.1, {steady})"),
-                Q(f"count by ({capacity}) ({steady})"),
+                Q(f"quantile by ({capacity}) (0.5, {sustained})"),
+                Q(f"quantile by ({capacity}) (0.1, {sustained})"),
+                Q(f"count by ({capacity}) ({sustained})"),
             ],
             columns={
                 "name": "GPU model",
@@ -191,6 +205,7 @@ def _capacity(board: Board) -> None:
                 "precision": "Precision",
                 "optimization": "Optimization",
                 "unit": "Unit",
+                "stat": "Basis",
                 "Value #A": "Median",
                 "Value #B": "p10",
                 "Value #C": "Devices",
@@ -204,13 +219,42 @@ def _capacity(board: Board) -> None:
         9,
     )
     board.add(
-        timeseries(
-            "Median sustained throughput per GPU model over time",
-            "Median over the devices of each model of their latest steady throughput.",
+        table(
+            "Probe runs over the range, by outcome",
+            "What the capacity figures rest on and what they leave out: ok runs count (on a "
+            "steady or a p10 basis; one too short to judge on neither), failed, timeout, "
+            "preempted and aborted runs gave no figure; skipped and unsupported probes never "
+            "ran. A device's figure above is its latest analysed run; sustain capacity counts "
+            "every archived run, by basis and by why it was left out.",
             [
                 Q(
-                    f"quantile by ({capacity}) (0.5, {steady})",
-                    "{{name}} {{workload}} {{precision}} {{optimization}} ({{unit}})",
+                    "sum by (workload, precision, optimization, outcome) "
+                    f"(increase(sustain_probe_runs_total{{{JOB_PROBE}}}[$__range]))"
+                )
+            ],
+            columns={
+                "workload": "Workload",
+                "precision": "Precision",
+                "optimization": "Optimization",
+                "outcome": "Outcome",
+                "Value": "Runs",
+            },
+            unit="none",
+            decimals=0,
+            sort_by="Workload",
+            descending=False,
+        ),
+        24,
+        6,
+    )
+    board.add(
+        timeseries(
+            "Median sustained throughput per GPU model over time",
+            "Median over the devices of each model of their latest sustained figure, per basis.",
+            [
+                Q(
+                    f"quantile by ({capacity}) (0.5, {sustained})",
+                    "{{name}} {{workload}} {{precision}} {{optimization}} ({{unit}}, {{stat}})",
                 )
             ],
             unit="short",

@@ -334,10 +334,10 @@ def _utilization(board: Board) -> None:
     board.add(
         timeseries(
             "Achieved probe throughput (steady state)",
-            "What the GPU achieved in its latest solo probe runs: the mean of each run's steady "
-            "state, per workload and precision, in the probe's unit (FLOP/s, B/s, tokens/s). A "
-            "run with no steady state shows its p10 over one-second windows instead, marked "
-            "'p10' in the legend (steady ones say 'steady').",
+            "What the GPU achieved in its latest solo probe runs: each run's work over time in "
+            "its steady state, per workload and precision, in the probe's unit (FLOP/s, B/s, "
+            "tokens/s). A run with no steady state shows its p10 over one-second windows instead, "
+            "marked 'p10' in the legend (steady ones say 'steady').",
             [
                 Q(
                     throughput(GPU, SOLO, 'stat="steady"')

@@ -91,10 +91,10 @@ def _sustained_against_peak(board: Board) -> None:
     board.add(
         table(
             "Peak and steady throughput, latest run",
-            "Peak: the best short window of the latest ok run. Steady: the mean of its steady "
-            "state. Sustained: steady over peak. p10: the 10th percentile over one-second "
-            "windows, stated even for a run that never settled. Plan with: the steady value "
-            "where there is one, else the p10, as Basis says. In the probe's unit.",
+            "Peak: the best short window of the latest ok run. Steady: its work over time in its "
+            "steady state. Sustained: steady over peak. p10: the 10th percentile over one-second "
+            "windows, stated even for a run that never settled. Plan with: the steady value where "
+            "there is one, else the p10, as Basis says. In the probe's unit.",
             [
                 Q(f"{by} (" + throughput(PROBE, SOLO, 'stat="peak"') + ")"),
                 Q(f"{by} (" + throughput(PROBE, SOLO, 'stat="steady"') + ")"),

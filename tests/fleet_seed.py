@@ -1,7 +1,9 @@
 """A small fleet's archive for the planner's report (tests/test_report.py): three GPU models on
 three nodes, a stack change on node-a, node-wide runs there, and a degraded device (node-b's
 gpu1: 20% below its three peers, thermally throttled, its health changed and a drift
-recorded). The medians it seeds are ``SEEDED_MEDIANS``, in FLOP/s."""
+recorded). The medians it seeds are ``SEEDED_MEDIANS``, in FLOP/s. Not every run settled: the
+L40S ran fp32 matmul too, and those runs never reached a steady state (they count on their p10,
+``L40S_FP32_P10``); and some runs gave nothing (``LEFT_OUT``: by reason)."""
 
 from __future__ import annotations
 
@@ -23,6 +25,8 @@ H100_MEDIAN, A100_MEDIAN, L40S_MEDIAN = 700 * T, 280 * T, 250 * T
 SEEDED_MEDIANS = (H100_MEDIAN, A100_MEDIAN, L40S_MEDIAN)
 NODE_WIDE = 630 * T  # each H100 with its neighbour working too: 90% of solo
 RUNS = 6
+L40S_FP32_P10 = 61.5 * T
+LEFT_OUT = {"timeout": 2, "failed": 1}
 
 
 def _run(
@@ -59,6 +63,7 @@ def _run(
         "analysis": json.dumps({"tolerance": 0.02}),
         "steady_thermal_share": 0.0,
         "steady_power_share": 0.1,
+        "p10_throughput": steady * 0.98,
     }
     row.update(extra)
     return row
@@ -102,6 +107,24 @@ def seed_fleet(engine: Engine, now: datetime | None = None) -> None:
                     steady_thermal_share=0.4 if degraded else 0.0,
                 )
             )
+        for device in (0, 1):  # never settled: no steady value, no sustained ratio, their p10
+            runs.append(
+                _run(
+                    "node-c",
+                    device,
+                    L40S,
+                    L40S_FP32_P10,
+                    at + timedelta(minutes=10),
+                    stack_id=STACK_C,
+                    precision="fp32",
+                    classification="no_steady_state",
+                    steady_throughput=None,
+                    steady_ci_low=None,
+                    steady_ci_high=None,
+                    sustained_ratio=None,
+                    p10_throughput=L40S_FP32_P10,
+                )
+            )
         group = uuid.uuid4().hex
         for device in (0, 1):
             runs.append(
@@ -117,6 +140,29 @@ def seed_fleet(engine: Engine, now: datetime | None = None) -> None:
                     coupling_ratio=0.9,
                 )
             )
+    failures = [("node-a", 0, H100, "timeout"), ("node-a", 1, H100, "timeout")]
+    failures.append(("node-b", 2, A100, "failed"))
+    for node, device, model, outcome in failures:  # no figures
+        runs.append(
+            _run(
+                node,
+                device,
+                model,
+                0.0,
+                now - timedelta(days=2),
+                outcome=outcome,
+                reason=f"{outcome}: seeded",
+                stack_id=STACK_B if node == "node-a" else STACK_C,
+                classification=None,
+                peak_throughput=None,
+                steady_throughput=None,
+                steady_ci_low=None,
+                steady_ci_high=None,
+                sustained_ratio=None,
+                p10_throughput=None,
+                analysis=None,
+            )
+        )
     stacks = [
         {
             "stack_id": stack,

@@ -1,12 +1,14 @@
 """``agent.reports.capacity`` against numpy on the same values, on SQLite and PostgreSQL.
 
 The rows are written straight into probe_runs, as the agent's writer leaves them, and read back
-through the probe_results view; every expectation is computed here from the same list with numpy.
+through the probe_results view (the steady basis) and the partial indexes of the p10 basis and of
+the runs left out; every expectation is computed here from the same list with numpy.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator
@@ -24,11 +26,19 @@ from agent.archive.probe_runs import ProbeRunWriter
 from agent.probes.runner import CPU, ProbeRun, ProbeSpec
 from agent.reports import capacity as capacity_module
 from agent.reports.capacity import (
+    BASES,
+    LEFT_OUT_REASONS,
     SCOPES,
     CapacityRow,
+    RunsCounted,
     capacity,
-    human,
+    capacity_with_runs,
     parse_since,
+)
+from agent.reports.capacity_output import (
+    capacity_as_json,
+    human,
+    render_runs,
     render_table,
     rows_as_json,
 )
@@ -68,6 +78,7 @@ def probe_run(**values: Any) -> dict[str, Any]:
         "stderr_tail": "",
         "classification": "flat",
         "steady_throughput": 1.0,
+        "p10_throughput": None,
         "stack_id": STACK_A,
         "device_model": H100,
     }
@@ -157,11 +168,79 @@ def fleet(seed: int = 0) -> list[dict[str, Any]]:
         )
         for v in (4e14, 5e14, 6e14)
     ]
-    # Not results: a failed run, an ok run the analysis gave no steady value, a running one.
+    # Runs that never settled: no steady value, their p10 over one-second windows stands in
+    # (the p10 basis), beside the steady results of the same groups and in groups of their own.
+    for index, value in enumerate(rng.uniform(4e14, 6e14, 9)):
+        rows.append(
+            probe_run(
+                node="node-a" if index % 3 else "node-b",
+                device=f"GPU-a{index % 2}" if index % 3 else "GPU-b0",
+                device_model=H100,
+                stack_id=STACK_A if index % 2 else STACK_B,
+                steady_throughput=None,
+                classification="no_steady_state",
+                p10_throughput=float(value),
+                started_at=NOW - timedelta(days=float(rng.uniform(0, 30))),
+            )
+        )
+    rows.append(
+        probe_run(
+            node="node-c",
+            device="host",
+            device_model=UNKNOWN,
+            workload="membw",
+            precision="fp32",
+            unit="B/s",
+            steady_throughput=None,
+            classification="no_steady_state",
+            p10_throughput=2.1e10,
+        )
+    )
+    # Not results: a failed run, an ok run too short to judge (with a p10 all the same), an ok
+    # run never analysed, one that never settled and has no p10 (under three windows), a
+    # timeout, a preempted and an aborted run (whose end was never recorded), a running one.
     rows.append(probe_run(outcome="failed", steady_throughput=None, reason="exit 1"))
-    rows.append(probe_run(steady_throughput=None, classification="insufficient"))
+    rows.append(
+        probe_run(steady_throughput=None, classification="insufficient", p10_throughput=3e14)
+    )
+    rows.append(probe_run(steady_throughput=None, classification=None))
+    rows.append(probe_run(steady_throughput=None, classification="no_steady_state"))
+    rows.append(probe_run(outcome="timeout", steady_throughput=None, classification=None))
+    rows.append(probe_run(outcome="preempted", steady_throughput=None, classification=None))
+    rows.append(
+        probe_run(outcome="aborted", ended_at=None, steady_throughput=None, classification=None)
+    )
     rows.append(probe_run(outcome="running", ended_at=None, steady_throughput=None))
+    # Never ran: not counted at all.
+    rows.append(probe_run(outcome="skipped", steady_throughput=None, classification=None))
+    rows.append(probe_run(outcome="unsupported", steady_throughput=None, classification=None))
     return rows
+
+
+def basis_of(row: dict[str, Any]) -> str | None:
+    """What a run counts on: ``steady``, ``p10``, or None (left out or not a run)."""
+    if row["outcome"] != "ok":
+        return None
+    if row["steady_throughput"] is not None:
+        return "steady"
+    if row["classification"] == "no_steady_state" and row["p10_throughput"] is not None:
+        return "p10"
+    return None
+
+
+def left_out(
+    rows: list[dict[str, Any]], keep: Callable[[dict[str, Any]], bool] = lambda _: True
+) -> dict[str, int]:
+    """The runs left out, by reason, counted here from the runs themselves."""
+    counts = dict.fromkeys(LEFT_OUT_REASONS, 0)
+    for row in rows:
+        if not keep(row) or basis_of(row) is not None:
+            continue
+        if row["outcome"] in ("failed", "timeout", "preempted", "aborted"):
+            counts[row["outcome"]] += 1
+        elif row["outcome"] == "ok":
+            counts["insufficient" if row["classification"] == "insufficient" else "no_figure"] += 1
+    return counts
 
 
 def expected(
@@ -170,7 +249,8 @@ def expected(
     """The capacity rows computed with numpy from the runs themselves."""
     groups: dict[tuple[Any, ...], list[dict[str, Any]]] = defaultdict(list)
     for row in rows:
-        if row["outcome"] != "ok" or row["steady_throughput"] is None or not keep(row):
+        basis = basis_of(row)
+        if basis is None or not keep(row):
             continue
         key = (
             row[GROUP_COLUMN[by]],
@@ -180,12 +260,16 @@ def expected(
             row["size"],
             # Written without one, as before migration 0009: the column's default.
             row.get("scope", "device"),
+            basis,
             row["unit"],
         )
         groups[key].append(row)
     result = []
-    for (group, workload, precision, optimization, size, scope, unit), members in groups.items():
-        values = np.array([m["steady_throughput"] for m in members])
+    for key, members in groups.items():
+        group, workload, precision, optimization, size, scope, basis, unit = key
+        values = np.array(
+            [m["steady_throughput" if basis == "steady" else "p10_throughput"] for m in members]
+        )
         median, p10 = np.quantile(values, [0.5, 0.1])
         models = {m["device_model"] for m in members}
         peak = spec_peak(models.pop(), workload, precision, unit) if len(models) == 1 else None
@@ -199,6 +283,7 @@ def expected(
                 optimization=optimization,
                 size=size,
                 scope=scope,
+                basis=basis,
                 unit=unit,
                 median=float(median),
                 p10=float(p10),
@@ -212,14 +297,15 @@ def expected(
 
 
 def order(r: CapacityRow) -> tuple[Any, ...]:
-    """Sections of one probe and unit; in each, groups (unknown last), then sizes, then scopes:
-    solo, node-wide, node total."""
+    """Sections of one probe, unit and basis (steady, then p10); in each, groups (unknown
+    last), then sizes, then scopes: solo, node-wide, node total."""
     return (
         r.workload,
         r.precision,
         r.optimization,
         r.unit is None,
         r.unit or "",
+        BASES.index(r.basis),
         r.group is None,
         r.group or "",
         r.size is None,
@@ -230,7 +316,7 @@ def order(r: CapacityRow) -> tuple[Any, ...]:
 
 def assert_rows(actual: list[CapacityRow], wanted: list[CapacityRow]) -> None:
     def identity(r: CapacityRow) -> tuple[Any, ...]:
-        return (r.group, r.workload, r.precision, r.optimization, r.size, r.scope, r.unit)
+        return (r.group, r.workload, r.precision, r.optimization, r.size, r.scope, r.basis, r.unit)
 
     assert [identity(r) for r in actual] == [identity(r) for r in wanted]
     for got, want in zip(actual, wanted, strict=True):
@@ -372,12 +458,110 @@ def test_runs_that_are_not_results_are_left_out(archive_engine: Engine) -> None:
             probe_run(outcome="failed", steady_throughput=None),
             probe_run(outcome="timeout", steady_throughput=None),
             probe_run(steady_throughput=None),
-            # A steady value on a run that did not end ok is no result either.
+            # A steady value on a run that did not end ok is no result either, nor a p10.
             probe_run(outcome="aborted", steady_throughput=7.0),
+            probe_run(outcome="failed", steady_throughput=None, p10_throughput=6.0),
+            # A p10 counts only for a run the analysis found never settled.
+            probe_run(steady_throughput=None, classification="insufficient", p10_throughput=4.0),
         ],
     )
-    (row,) = capacity(archive_engine)
-    assert (row.results, row.median, row.p10) == (1, 5.0, 5.0)
+    answer = capacity_with_runs(archive_engine)
+    (row,) = answer.rows
+    assert (row.basis, row.results, row.median, row.p10) == ("steady", 1, 5.0, 5.0)
+    assert answer.runs == RunsCounted(
+        steady=1,
+        p10=0,
+        left_out={
+            "failed": 2,
+            "timeout": 1,
+            "preempted": 0,
+            "aborted": 1,
+            "insufficient": 1,
+            "no_figure": 1,
+        },
+    )
+    assert capacity(archive_engine) == answer.rows
+
+
+def test_an_ok_run_without_a_steady_state_counts_on_its_p10(archive_engine: Engine) -> None:
+    """Issue 23: four recorded fp32 matmul runs, one of them with a steady state. The one that
+    never settled counts on its p10 (marked so, never mixed with the steady figure); the
+    timeout and the failure are left out and counted."""
+    store(
+        archive_engine,
+        [
+            probe_run(precision="fp32", steady_throughput=5.2e13, p10_throughput=5.0e13),
+            probe_run(
+                precision="fp32",
+                steady_throughput=None,
+                classification="no_steady_state",
+                p10_throughput=4.6e13,
+            ),
+            probe_run(precision="fp32", outcome="timeout", steady_throughput=None),
+            probe_run(precision="fp32", outcome="failed", steady_throughput=None),
+        ],
+    )
+    answer = capacity_with_runs(archive_engine, workload="matmul", precision="fp32")
+    assert [(r.basis, r.results, r.median, r.p10) for r in answer.rows] == [
+        ("steady", 1, 5.2e13, 5.2e13),
+        ("p10", 1, 4.6e13, 4.6e13),
+    ]
+    assert (answer.runs.steady, answer.runs.p10, answer.runs.left_out_total) == (1, 1, 2)
+    assert answer.runs.left_out["timeout"] == answer.runs.left_out["failed"] == 1
+    # Only the run that never settled: the answer no longer is "no result".
+    p10_only = capacity_with_runs(archive_engine, precision="fp32", scope="device")
+    assert len(p10_only.rows) == 2
+    text = render_table(answer.rows, width=80)
+    assert text.split("\n\n")[1].splitlines()[0] == (
+        "matmul fp32 eager (FLOP/s), p10 basis (no steady state)"
+    )
+    assert render_runs(answer.runs).splitlines() == [
+        "runs used: 2 (1 on a steady basis, 1 on a p10 basis)",
+        "runs left out: 2 (1 failed, 1 timeout)",
+    ]
+    document = capacity_as_json(answer)
+    assert json.loads(json.dumps(document)) == document
+    assert [row["basis"] for row in document["rows"]] == ["steady", "p10"]
+    assert document["runs"] == {
+        "used": {"steady": 1, "p10": 1},
+        "left_out": {
+            "failed": 1,
+            "timeout": 1,
+            "preempted": 0,
+            "aborted": 0,
+            "insufficient": 0,
+            "no_figure": 0,
+        },
+    }
+
+
+@pytest.mark.parametrize("by", ["model", "node", "stack"])
+def test_runs_left_out_by_filter_and_period(
+    archive: tuple[Engine, list[dict[str, Any]]], by: str
+) -> None:
+    """The runs left out are those of the same probes and period as the figures: counted here
+    from the runs themselves. An aborted run, whose end was never recorded, is in the period of
+    its start."""
+    engine, rows = archive
+    since = NOW - timedelta(days=7)
+
+    def recent(row: dict[str, Any]) -> bool:
+        return bool((row["ended_at"] or row["started_at"]) >= since)
+
+    queries: list[tuple[dict[str, Any], Callable[[dict[str, Any]], bool]]] = [
+        ({}, lambda _: True),
+        ({"precision": "bf16"}, lambda r: r["precision"] == "bf16"),
+        ({"workload": "membw"}, lambda r: r["workload"] == "membw"),
+        ({"since": since}, recent),
+        ({"precision": "bf16", "since": since}, lambda r: r["precision"] == "bf16" and recent(r)),
+    ]
+    for query, keep in queries:
+        answer = capacity_with_runs(engine, by=by, **query)
+        assert_rows(answer.rows, expected(rows, by, keep))
+        assert answer.runs.left_out == left_out(rows, keep), query
+        assert answer.runs.steady == sum(basis_of(r) == "steady" and keep(r) for r in rows)
+        assert answer.runs.p10 == sum(basis_of(r) == "p10" and keep(r) for r in rows)
+    assert all(left_out(rows).values())  # every reason is there
 
 
 def test_empty(archive_engine: Engine) -> None:
@@ -607,6 +791,16 @@ def test_database_errors_are_archive_errors(database_url: str) -> None:
         engine.dispose()
 
 
+CAPACITY_INDEXES = {
+    *(
+        f"ix_probe_runs_{basis}by_{index}"
+        for basis in ("results_", "p10_results_")
+        for index in ("device", "model", "stack")
+    ),
+    "ix_probe_runs_left_out",
+}
+
+
 def explained_plans(engine: Engine, run: Callable[[], object]) -> Iterator[str]:
     """SQLite's query plan of every statement ``run`` executes."""
     statements: list[tuple[str, Any]] = []
@@ -645,19 +839,30 @@ def test_sqlite_reads_the_capacity_indexes_without_sorting(
     tmp_path: Path, filters: dict[str, Any], by: str
 ) -> None:
     """A million results stay near a second only if SQLite follows the capacity indexes: its
-    planner has no statistics, and given the chance it sorts the whole view instead."""
+    planner has no statistics, and given the chance it sorts the whole view instead. The p10
+    basis reads its own partial indexes, the runs left out theirs; never the table."""
     engine = open_engine(f"sqlite:///{tmp_path / 'archive.db'}")
     try:
         upgrade(engine)
         store(engine, fleet())
         store(engine, node_wide(NODE_WIDE_RUNS))
-        plans = list(explained_plans(engine, lambda: capacity(engine, by=by, **filters)))
+        plans = list(explained_plans(engine, lambda: capacity_with_runs(engine, by=by, **filters)))
     finally:
         engine.dispose()
     assert plans
+    read = set()
     for plan in plans:
-        assert "ix_probe_runs_results_by_" in plan, plan
+        index = re.search(r"USING (?:COVERING )?INDEX (\w+)", plan)
+        assert index is not None, plan
+        assert index[1] in CAPACITY_INDEXES, plan
         assert "TEMP B-TREE" not in plan, plan
+        read.add(index[1])
+    # Both bases' device summaries and the runs left out are read whatever the filters.
+    assert {
+        "ix_probe_runs_results_by_device",
+        "ix_probe_runs_p10_results_by_device",
+        "ix_probe_runs_left_out",
+    } <= read
 
 
 # --since
@@ -736,10 +941,19 @@ def test_render_table_aligns_columns(archive: tuple[Engine, list[dict[str, Any]]
     rows = capacity(engine, by="stack", precision="bf16")
     sections = render_table(rows, by="stack").split("\n\n")
     headings = [section.splitlines()[0] for section in sections]
-    assert headings == ["matmul bf16 eager (FLOP/s)"]
+    assert headings == [
+        "matmul bf16 eager (FLOP/s)",
+        "matmul bf16 eager (FLOP/s), p10 basis (no steady state)",
+    ]
+    steady = [row for row in rows if row.basis == "steady"]
+    assert rows[: len(steady)] == steady  # the steady section first
     lines = sections[0].splitlines()[1:]
     assert lines[0].split() == ["STACK", *COLUMNS]
-    assert len(lines) == len(rows) + 1
+    assert len(lines) == len(steady) + 1
+    assert [line.split()[0] for line in sections[1].splitlines()[2:]] == [
+        STACK_A[:12],
+        STACK_B[:12],
+    ]
     # Stack ids are shortened, the missing one shown as "-"; numbers end in one column.
     assert {line.split()[0] for line in lines[1:]} == {STACK_A[:12], STACK_B[:12], "-"}
     assert len({len(line) for line in lines}) == 1
@@ -758,11 +972,13 @@ def test_render_table_has_a_section_per_probe_and_unit(
     sections = render_table(rows, width=100).split("\n\n")  # a line per row
     assert [section.splitlines()[0] for section in sections] == [
         "matmul bf16 eager (FLOP/s)",
+        "matmul bf16 eager (FLOP/s), p10 basis (no steady state)",
         "matmul fp16 eager (FLOP/s)",
         "matmul fp32 eager (FLOP/s)",
         "matmul fp8 eager (FLOP/s)",
         "matmul int8 eager (FLOP/s)",
         "membw fp32 eager (B/s)",
+        "membw fp32 eager (B/s), p10 basis (no steady state)",
     ]
     assert sum(len(section.splitlines()) - 2 for section in sections) == len(rows)
 
@@ -775,6 +991,7 @@ def cpu_row(name: str, size: str = "default") -> CapacityRow:
         optimization="eager",
         size=size,
         scope="device",
+        basis="steady",
         unit="FLOP/s",
         median=2.5e12,
         p10=2.25e12,
@@ -826,6 +1043,7 @@ def test_rows_as_json(archive: tuple[Engine, list[dict[str, Any]]]) -> None:
         "optimization": rows[0].optimization,
         "size": rows[0].size,
         "scope": "device",
+        "basis": "steady",
         "unit": rows[0].unit,
         "median": rows[0].median,
         "p10": rows[0].p10,

@@ -1,5 +1,6 @@
 """``sustain capacity`` as a user runs it: a real process on a SQLite archive, its output piped
-(no terminal) or at COLUMNS=80, and what it says when nothing matches."""
+(no terminal) or at COLUMNS=80, the runs it rests on and those it leaves out, and what it says
+when nothing matches."""
 
 from __future__ import annotations
 
@@ -106,6 +107,12 @@ def test_the_table_fits_80_columns_uncut(archive: str, columns: str | None) -> N
     assert "membw fp32 eager (B/s)" in lines
     rows = [line for line in lines if line.startswith(("NVIDIA", "AMD"))]
     assert len(rows) == 6
+    # Under the table, what it rests on: every run on a steady basis, none left out.
+    assert lines[-3:] == [
+        "",
+        "runs used: 18 (18 on a steady basis, 0 on a p10 basis)",
+        "runs left out: none",
+    ]
     # The model names and the figures whole; the small size flagged on its own line.
     assert re.search(
         r"^NVIDIA H100 80GB HBM3 +default +solo +711\.5 T +710\.3 T +71\.9% +4 +4$",
@@ -167,7 +174,7 @@ def test_node_wide_results_beside_solo_and_alone_with_scope(archive: str) -> Non
     assert figures[3][2:] == ["1.201", "P", "1.201", "P", "-", "1", "1"]
     done = capacity(archive, "--scope", "node", "--json")
     assert done.returncode == 0, done.stderr
-    (row,) = json.loads(done.stdout)
+    (row,) = json.loads(done.stdout)["rows"]
     assert (row["scope"], row["results"], row["median"]) == ("node", 2, 6.005e14)
     done = capacity(archive, "--scope", "node_total", "--precision", "fp32")
     assert done.stdout == "no result matches --precision fp32 --scope node_total together\n"
@@ -212,3 +219,96 @@ def test_help_documents_every_column(archive: str) -> None:
         assert column in done.stdout, column
     assert "10th percentile" in done.stdout
     assert "spec_ratio" in done.stdout
+
+
+def test_a_run_without_a_steady_state_counts_on_its_p10(archive: str) -> None:
+    """Issue 23: the only fp32 matmul result never settled. It is no longer "no result": its
+    p10 over one-second windows stands in, in a section marked as such, and the runs left out
+    are counted by why."""
+    add(
+        archive,
+        result(
+            device="GPU-0",
+            precision="fp32",
+            steady_throughput=None,
+            classification="no_steady_state",
+            p10_throughput=4.6e13,
+        ),
+        result(device="GPU-1", precision="fp32", outcome="timeout", steady_throughput=None),
+        result(device="GPU-2", precision="fp32", outcome="preempted", steady_throughput=None),
+        result(device="GPU-3", precision="fp32", steady_throughput=None, classification=None),
+        result(device="GPU-0", steady_throughput=7.1e14),  # bf16: another probe
+    )
+    done = capacity(archive, "--workload", "matmul", "--precision", "fp32")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == [
+        "matmul fp32 eager (FLOP/s), p10 basis (no steady state)",
+        "MODEL                  SIZE     SCOPE   MEDIAN      P10   SPEC  RESULTS  DEVICES",
+        "NVIDIA H100 80GB HBM3  default  solo   46.00 T  46.00 T  68.7%        1        1",
+        "",
+        "runs used: 1 (0 on a steady basis, 1 on a p10 basis)",
+        "runs left out: 3 (1 timeout, 1 preempted, 1 ok without a figure)",
+    ]
+    done = capacity(archive, "--workload", "matmul", "--precision", "fp32", "--json")
+    assert done.returncode == 0, done.stderr
+    answer = json.loads(done.stdout)
+    (row,) = answer["rows"]
+    assert (row["basis"], row["median"], row["p10"], row["results"]) == ("p10", 4.6e13, 4.6e13, 1)
+    assert answer["runs"] == {
+        "used": {"steady": 0, "p10": 1},
+        "left_out": {
+            "failed": 0,
+            "timeout": 1,
+            "preempted": 1,
+            "aborted": 0,
+            "insufficient": 0,
+            "no_figure": 1,
+        },
+    }
+    # Every probe: the steady bf16 row, then the fp32 one on its p10 basis.
+    done = capacity(archive)
+    assert done.returncode == 0, done.stderr
+    assert [line for line in done.stdout.splitlines() if line.startswith("matmul")] == [
+        "matmul bf16 eager (FLOP/s)",
+        "matmul fp32 eager (FLOP/s), p10 basis (no steady state)",
+    ]
+    assert done.stdout.endswith(
+        "runs used: 2 (1 on a steady basis, 1 on a p10 basis)\n"
+        "runs left out: 3 (1 timeout, 1 preempted, 1 ok without a figure)\n"
+    )
+
+
+def test_where_every_run_was_left_out_it_says_why(archive: str) -> None:
+    add(
+        archive,
+        result(precision="fp32", steady_throughput=7.1e13),
+        result(precision="bf16", outcome="timeout", steady_throughput=None),
+        result(precision="bf16", outcome="failed", steady_throughput=None),
+        result(precision="bf16", steady_throughput=None, classification="insufficient"),
+    )
+    done = capacity(archive, "--precision", "bf16")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == [
+        "no result matches --precision bf16 (known: fp32)",
+        "runs used: 0 (0 on a steady basis, 0 on a p10 basis)",
+        "runs left out: 3 (1 failed, 1 timeout, 1 insufficient)",
+    ]
+    done = capacity(archive, "--precision", "bf16", "--json")
+    assert json.loads(done.stdout)["rows"] == []
+    assert json.loads(done.stdout)["runs"]["left_out"]["insufficient"] == 1
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (("--since", "yesterday"), "--since 'yesterday'"),
+        (("--by", "gpu"), "invalid choice"),
+        (("--scope", "solo"), "invalid choice"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(archive: str, args: tuple[str, ...], needle: str) -> None:
+    done = capacity(archive, *args)
+    assert done.returncode == 2, done.stderr
+    assert done.stdout == ""
+    (line,) = done.stderr.strip().splitlines()
+    assert needle in line

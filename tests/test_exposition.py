@@ -40,7 +40,8 @@ from agent.probes.analysis import RunAnalysis
 from agent.probes.attribution import Attribution
 from agent.probes.devices import TelemetryCapture
 from agent.probes.runner import ProbeRunner
-from agent.probes.scheduler import ProbeResult, ProbeScheduler, ProbeStatus
+from agent.probes.scheduler import ProbeScheduler
+from agent.probes.status import ProbeResult, ProbeStatus
 from agent.stack.tracker import StackTracker
 from agent.telemetry.rollup import RollupBuilder
 from agent.telemetry.sampler import SamplerLoop

@@ -211,7 +211,10 @@ def test_capacity_by_model_matches_the_expected_medians(fleet_url: Any) -> None:
     url, values = fleet_url
     done = sustain("capacity", "--database", url, "--by", "model", "--precision", "bf16", "--json")
     assert done.returncode == 0, done.stderr
-    (row,) = json.loads(done.stdout)
+    answer = json.loads(done.stdout)
+    (row,) = answer["rows"]
+    assert answer["runs"]["used"] == {"steady": row["results"], "p10": 0}
+    assert row["basis"] == "steady"
     assert row["group"] == MODEL
     assert row["results"] == NODES * DEVICES * RESULTS
     assert row["devices"] == NODES * DEVICES

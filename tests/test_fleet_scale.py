@@ -14,17 +14,25 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
+from alembic import command
+from alembic.config import Config
 from sqlalchemy import Connection, Engine, event, text
 
 from agent.archive import partitions, summary
-from agent.archive.database import current_revision, head_revision, open_engine, upgrade
+from agent.archive.database import (
+    MIGRATIONS,
+    current_revision,
+    head_revision,
+    open_engine,
+    upgrade,
+)
 from agent.archive.job import DAY, ArchiveJob, LocalRollups
 from agent.archive.probe_runs import ProbeRunWriter
 from agent.archive.sink import ArchiveSink
 from agent.archive.spool import Spool
 from agent.probes.runner import CPU, ProbeRun, ProbeSpec
 from agent.reports import capacity as capacity_module
-from agent.reports.capacity import CapacityRow, capacity
+from agent.reports.capacity import Capacity, CapacityRow, capacity, capacity_with_runs
 from agent.telemetry.rollup import RollupBuilder
 from collectors.base import Field, Reading, Sample
 
@@ -33,25 +41,34 @@ NOW = datetime.now(UTC).replace(microsecond=0)
 MODELS = ("'NVIDIA H100 80GB HBM3'", "'NVIDIA A100-SXM4-80GB'", "'NVIDIA L40S'", "NULL")
 STACKS = ("'stack-a'", "'stack-b'", "'stack-c'", "NULL")
 
-# 100,000 runs in SQL: about 9 in 10 analysed ok results, the rest failed, unanalysed or still
-# running; four models (one unknown), four stacks (one unknown), two workloads, three
-# precisions, sizes and units sometimes unrecorded (as in archives older than them), solo and
-# node-wide scopes, 904 devices (a node's GPUs are of one model), ended over the last 120
-# days (across four or five months).
+# 100,000 runs in SQL: about 9 in 10 analysed ok results, the rest failed, timed out, preempted,
+# aborted (no end recorded), unanalysed or still running; four models (one unknown), four
+# stacks (one unknown), two workloads, three precisions, sizes and units sometimes unrecorded
+# (as in archives older than them), solo and node-wide scopes, 904 devices (a node's GPUs are of
+# one model), ended over the last 120 days (across four or five months). One ok run in 23 has
+# no steady value: most never settled (``no_steady_state``) and count on their p10 over
+# one-second windows, some have none, some were too short to judge (``insufficient``).
 # Values: a few percent apart within a group, some exactly equal (ties), a few zero.
 SEED = """
 INSERT INTO probe_runs (run_id, node, device, device_label, workload, precision, optimization,
   size, outcome, reason, started_at, ended_at, duration_seconds, iterations, unit, stderr_tail,
-  steady_throughput, device_model, stack_id, scope)
+  classification, steady_throughput, p10_throughput, device_model, stack_id, scope)
 SELECT 'seed-' || i, 'node-' || (i % 113), 'gpu-' || (i % 8), 'GPU ' || (i % 8),
   (ARRAY['matmul', 'attention'])[1 + i % 2], (ARRAY['fp32', 'bf16', 'fp16'])[1 + i % 3],
   'eager', CASE WHEN i % 17 = 0 THEN NULL ELSE 'default' END,
-  CASE WHEN i % 11 = 0 THEN 'failed' WHEN i % 97 = 0 THEN 'running' ELSE 'ok' END, '',
+  CASE WHEN i % 11 = 0 THEN 'failed' WHEN i % 97 = 0 THEN 'running'
+       WHEN i % 89 = 0 THEN 'aborted' WHEN i % 37 = 0 THEN 'timeout'
+       WHEN i % 41 = 0 THEN 'preempted' ELSE 'ok' END, '',
   :now - make_interval(secs => (i * 104.3)::float8) - interval '2 minutes',
-  CASE WHEN i % 97 = 0 THEN NULL ELSE :now - make_interval(secs => (i * 104.3)::float8) END,
+  CASE WHEN i % 97 = 0 OR i % 89 = 0 THEN NULL
+       ELSE :now - make_interval(secs => (i * 104.3)::float8) END,
   120, 100, CASE WHEN i % 13 = 0 THEN NULL ELSE 'FLOP/s' END, '',
+  CASE WHEN i % 23 <> 0 THEN 'flat' WHEN i % 7 = 0 THEN 'insufficient'
+       WHEN i % 29 = 0 THEN NULL ELSE 'no_steady_state' END,
   CASE WHEN i % 23 = 0 THEN NULL WHEN i % 499 = 0 THEN 0
        ELSE (1 + i % 3) * 1e14 * (1 + ((i * 7919) % 601) / 10000.0) END,
+  CASE WHEN i % 19 = 0 THEN NULL
+       ELSE (1 + i % 3) * 0.9e14 * (1 + ((i * 8191) % 613) / 10000.0) END,
   (ARRAY[{models}])[1 + (i % 113) % 4], (ARRAY[{stacks}])[1 + (i / 5) % 4],
   CASE WHEN i % 5 = 0 THEN 'node' ELSE 'device' END
 FROM generate_series(1, :count) AS i
@@ -79,20 +96,27 @@ def fleet_engine(postgres_url: str) -> Iterator[Engine]:
         engine.dispose()
 
 
-def unsummarised(engine: Engine, monkeypatch: pytest.MonkeyPatch, **query: Any) -> list[Any]:
-    """The query as it runs without the summary: every result read by PostgreSQL."""
+def unsummarised(engine: Engine, monkeypatch: pytest.MonkeyPatch, **query: Any) -> Capacity:
+    """The query as it runs without the summary: every result and every run left out read by
+    PostgreSQL."""
     with monkeypatch.context() as patch:
         patch.setattr(capacity_module, "_summarised", lambda connection: False)
-        return capacity(engine, **query)
+        return capacity_with_runs(engine, **query)
 
 
-def summary_snapshot(connection: Connection) -> dict[str, list[tuple[Any, ...]]]:
-    """Every summary table's rows, sorted; counts of zero (what was uncounted) left out."""
+def summary_snapshot(
+    connection: Connection, kinds: tuple[str, ...] | None = None
+) -> dict[str, list[tuple[Any, ...]]]:
+    """Every summary table's rows (or the steady basis's tables of ``kinds``), sorted; counts of
+    zero (what was uncounted) left out."""
     tables = {}
-    for table in summary.TABLES:
+    names = summary.TABLES if kinds is None else [summary.table_of("steady", k) for k in kinds]
+    for table in names:
         rows = connection.exec_driver_sql(f"SELECT * FROM {table}").mappings().all()
         tables[table] = sorted(
-            tuple(str(value) for value in row.values()) for row in rows if row.get("results") != 0
+            tuple(str(value) for value in row.values())
+            for row in rows
+            if row.get("results", row.get("runs")) != 0
         )
     return tables
 
@@ -104,14 +128,15 @@ def test_capacity_from_the_summary_is_the_answer_of_the_results(
     fleet_engine: Engine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """100,000 runs written with the trigger on: every grouping, filters and a ``since`` in the
-    middle of a day give the rows of the unsummarised query, to the last bit."""
+    middle of a day give the rows of the unsummarised query, to the last bit, on both bases, and
+    the same count of the runs left out."""
     with fleet_engine.begin() as connection:
         seed(connection, 100_000)
     called = []
     original = capacity_module._from_summary
 
     def spy(*args: Any, **kwargs: Any) -> Any:
-        called.append(args[1])
+        called.append((args[1].basis, args[2]))
         return original(*args, **kwargs)
 
     monkeypatch.setattr(capacity_module, "_from_summary", spy)
@@ -126,21 +151,25 @@ def test_capacity_from_the_summary_is_the_answer_of_the_results(
     ]
     for query in queries:
         expected = unsummarised(fleet_engine, monkeypatch, **query)
-        got = capacity(fleet_engine, **query)
+        got = capacity_with_runs(fleet_engine, **query)
         assert got == expected, query
-        assert len(got) > 10 or "workload" in query or "size" in query, (query, got)
-    assert called == [query["by"] for query in queries]  # the summary answered each
+        assert len(got.rows) > 10 or "workload" in query or "size" in query, (query, got)
+        assert {row.basis for row in got.rows} == {"steady", "p10"}, query
+        assert all(got.runs.left_out.values()), query
+    # The summary answered each, for each basis.
+    assert called == [(basis, query["by"]) for query in queries for basis in ("steady", "p10")]
     # The unknown model, unit, size and stack are groups of their own, in both.
     rows = capacity(fleet_engine, by="model")
     assert any(row.group is None for row in rows)
     assert any(row.unit is None for row in rows)
     assert any(row.size is None for row in rows)
-    total = sum(row.results for row in rows)
-    with fleet_engine.connect() as connection:
-        ok = connection.execute(
-            text("SELECT count(*) FROM probe_runs WHERE " + summary.RESULTS_WHERE)
-        ).scalar_one()
-    assert total == ok > 80_000
+    for basis, least in (("steady", 80_000), ("p10", 2_000)):
+        total = sum(row.results for row in rows if row.basis == basis)
+        with fleet_engine.connect() as connection:
+            ok = connection.execute(
+                text("SELECT count(*) FROM probe_runs WHERE " + summary.WHERES[basis])
+            ).scalar_one()
+        assert total == ok > least, basis
 
 
 def test_the_trigger_keeps_the_summary_as_a_rebuild_would(fleet_engine: Engine) -> None:
@@ -151,10 +180,14 @@ def test_the_trigger_keeps_the_summary_as_a_rebuild_would(fleet_engine: Engine) 
     spec = ProbeSpec("matmul", "fp32", "eager", 5.0, CPU)
     started = NOW.timestamp() - 3600
     runs = []
-    for index in range(6):
+    for index in range(9):
         run = ProbeRun(f"run-{index}", spec, "ok", "", started + index, started + index + 60)
         runs.append(run)
         writer.start(run.id, spec, run.started_at)
+    # The agent stopped during them: aborted (counted as left out on their start's day), until
+    # their finishes below make them results.
+    writer.start("run-aborted", spec, started)
+    writer.abort_unfinished()
     with fleet_engine.begin() as connection:
         seed(connection, 2_000)
         for index, run in enumerate(runs):
@@ -182,12 +215,32 @@ def test_the_trigger_keeps_the_summary_as_a_rebuild_would(fleet_engine: Engine) 
         )
         connection.execute(text("UPDATE probe_runs SET outcome = 'failed' WHERE run_id = 'run-2'"))
         connection.execute(text("DELETE FROM probe_runs WHERE run_id IN ('run-3', 'seed-44')"))
+        # Re-analysed as never settled: from the steady basis to the p10 one, then back.
+        unsettled = (
+            "UPDATE probe_runs SET steady_throughput = NULL, classification = 'no_steady_state', "
+            "p10_throughput = :p10 WHERE run_id = :run"
+        )
+        connection.execute(text(unsettled), {"p10": 9e11, "run": "run-6"})
+        connection.execute(text(unsettled), {"p10": 8e11, "run": "run-7"})
+        connection.execute(
+            text("UPDATE probe_runs SET steady_throughput = 2e12 WHERE run_id = 'run-7'")
+        )
+        # Left out, then a result again: a timeout replayed as ok; a result become a timeout.
+        connection.execute(text("UPDATE probe_runs SET outcome = 'timeout' WHERE run_id = 'run-8'"))
+        connection.execute(text("UPDATE probe_runs SET outcome = 'ok' WHERE run_id = 'run-8'"))
+        connection.execute(text("UPDATE probe_runs SET outcome = 'timeout' WHERE run_id = 'run-5'"))
+        connection.execute(text("DELETE FROM probe_runs WHERE run_id = 'seed-55'"))  # a failure
     with fleet_engine.begin() as connection:
         kept = summary_snapshot(connection)
         summary.rebuild(connection)
         rebuilt = summary_snapshot(connection)
-    for table in ("probe_result_days", "probe_result_buckets"):
+    counted = [
+        *(summary.table_of(basis, kind) for basis in summary.BASES for kind in ("days", "buckets")),
+        summary.LEFT_OUT_TABLE,
+    ]
+    for table in counted:
         assert kept[table] == rebuilt[table], table
+    assert {row[-2] for row in kept[summary.LEFT_OUT_TABLE]} >= {"timeout", "aborted"}
     # Devices: the trigger never forgets a device on a delete (its latest result may be
     # another); every device the rebuild finds, the trigger has, seen as late, and the groups
     # count the devices the trigger has.
@@ -203,7 +256,7 @@ def test_the_trigger_keeps_the_summary_as_a_rebuild_would(fleet_engine: Engine) 
                 ),
                 dict(zip("abcdefghijkl", row, strict=True)),
             )
-        connection.exec_driver_sql(summary._FILL_GROUPS)
+        connection.exec_driver_sql(summary._fill_groups("steady"))
         from_devices = summary_snapshot(connection)["probe_result_groups"]
     assert kept["probe_result_groups"] == from_devices
     assert len(from_devices) > 10
@@ -260,7 +313,9 @@ def test_retention_on_postgresql_drops_whole_old_months(
     assert not [s for s in statements if PARTITIONED_DELETE.match(s)], statements
     assert any(s.startswith("DROP TABLE") for s in statements)
     # The summary forgot what went: the capacity answer is still the results'.
-    assert capacity(fleet_engine, by="model") == unsummarised(fleet_engine, monkeypatch, by="model")
+    assert capacity_with_runs(fleet_engine, by="model") == unsummarised(
+        fleet_engine, monkeypatch, by="model"
+    )
     # A second pass finds nothing more to drop.
     assert not any(job.apply_retention(NOW.timestamp()).values())
 
@@ -357,8 +412,8 @@ def test_upgrading_an_archive_of_the_previous_revision_keeps_every_row(
         if backend == "postgresql":
             with engine.connect() as connection:
                 assert partitions.is_partitioned(connection, "probe_runs")
-            by_model = capacity(engine, by="model")
-            assert by_model
+            by_model = capacity_with_runs(engine, by="model")
+            assert by_model.rows
             assert by_model == unsummarised(engine, monkeypatch, by="model")
     finally:
         engine.dispose()
@@ -419,6 +474,53 @@ def fill_previous(connection: Connection) -> None:
         )
 
 
+def test_0011_adds_the_p10_basis_and_the_runs_left_out_to_the_summary_of_0010(
+    postgres_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An archive summarised by revision 0010 (the steady results alone) gains the p10 basis and
+    the runs left out, filled from its runs; a downgrade takes them away and leaves the steady
+    summary, still kept by the trigger, as 0010 made it."""
+    engine = open_engine(postgres_url)
+    config = Config()
+    config.set_main_option("script_location", str(MIGRATIONS))
+    try:
+        upgrade(engine, "0010")
+        with engine.begin() as connection:
+            seed(connection, 5_000)
+            assert summary_parts(connection) == ["probe_result_days"]
+        upgrade(engine)
+        answer = capacity_with_runs(engine, by="stack")
+        assert {row.basis for row in answer.rows} == {"steady", "p10"}
+        assert answer == unsummarised(engine, monkeypatch, by="stack")
+        with engine.begin() as connection:
+            config.attributes["connection"] = connection
+            command.downgrade(config, "0010")
+        with engine.begin() as connection:
+            assert summary_parts(connection) == ["probe_result_days"]
+            # The trigger keeps the steady summary alone, as a rebuild of it would be.
+            connection.execute(text("DELETE FROM probe_runs WHERE run_id = 'seed-45'"))
+            kept = summary_snapshot(connection, ("days", "buckets"))
+            summary.rebuild(connection, ("steady",), left_out=False)
+            assert summary_snapshot(connection, ("days", "buckets")) == kept
+        upgrade(engine)
+        assert capacity_with_runs(engine, by="model") == unsummarised(
+            engine, monkeypatch, by="model"
+        )
+    finally:
+        engine.dispose()
+
+
+def summary_parts(connection: Connection) -> list[str]:
+    """The summary's tables that count runs per day: which bases, whether the runs left out."""
+    names = [summary.table_of(basis, "days") for basis in summary.BASES]
+    names.append(summary.LEFT_OUT_TABLE)
+    return [
+        name
+        for name in names
+        if connection.execute(text("SELECT to_regclass(:n)"), {"n": name}).scalar() is not None
+    ]
+
+
 def test_summary_module_names_the_postgresql_only_objects(fleet_engine: Engine) -> None:
     """What migrations/env.py hides from Alembic is exactly what the summary creates."""
     with fleet_engine.connect() as connection:
@@ -441,9 +543,14 @@ def test_summary_module_names_the_postgresql_only_objects(fleet_engine: Engine) 
 
 def test_capacity_rows_are_comparable() -> None:
     # CapacityRow equality (what the comparisons above rest on) includes every figure.
-    row = CapacityRow(None, "matmul", "fp32", "eager", None, "device", None, 1.0, 0.5, 2, 1, None)
+    row = CapacityRow(
+        None, "matmul", "fp32", "eager", None, "device", "steady", None, 1.0, 0.5, 2, 1, None
+    )
     assert row != CapacityRow(
-        None, "matmul", "fp32", "eager", None, "device", None, 1.0, 0.5, 2, 2, None
+        None, "matmul", "fp32", "eager", None, "device", "steady", None, 1.0, 0.5, 2, 2, None
+    )
+    assert row != CapacityRow(
+        None, "matmul", "fp32", "eager", None, "device", "p10", None, 1.0, 0.5, 2, 1, None
     )
 
 

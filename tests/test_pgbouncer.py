@@ -166,7 +166,7 @@ def test_agents_write_through_transaction_pooling(
     current = sustain(pooled_url, "db", "current")
     assert current.stdout.strip() == head_revision()
     capacity = sustain(pooled_url, "capacity", "--by", "model", "--json")
-    rows = json.loads(capacity.stdout)
+    rows = json.loads(capacity.stdout)["rows"]
     assert [(row["group"], row["results"]) for row in rows] == [
         ("NVIDIA H100 80GB HBM3", WRITERS * RUNS)
     ]

@@ -6,6 +6,7 @@ on /metrics before its first probe. Real subprocesses throughout; the probes run
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -16,8 +17,21 @@ import pytest
 from conftest import start_agent
 from prometheus_client.parser import text_string_to_metric_families
 
+from agent.cli.probe import render_run, run_json
+from agent.probes.analysis import RunAnalysis, analyze_run
+from agent.probes.runner import CPU, ProbeRun, ProbeRunner, ProbeSpec
+
 LABELS = ("peak", "steady", "sustained", "warm-up", "windows", "class", "cause")
 STEADY_CLASSES = ("flat", "warmup", "slowdown")
+ANALYSED_FIGURES = [
+    "peak",
+    "steady",
+    "steady_ci99",
+    "sustained_ratio",
+    "warmup_seconds",
+    "p10",
+    "p50",
+]
 
 
 def sustain(
@@ -62,6 +76,7 @@ def test_probe_shows_the_answer_in_80_columns(tmp_path: Path, columns: int | Non
     labels = [line.split()[0] for line in lines[1:] if line.startswith("  ") and line.strip()]
     for label in LABELS:
         assert label in labels, done.stdout
+    assert "analysed" not in labels  # one phase: nothing to tell apart
     text = " ".join(done.stdout.split())
     assert "FLOP/s" in text
     assert "p10 " in text
@@ -100,6 +115,113 @@ def test_probe_json_carries_every_figure(tmp_path: Path) -> None:
         low, high = run["steady_ci99"]
         assert low <= run["steady"] <= high
         assert run["sustained_ratio"] == pytest.approx(run["steady"] / run["peak"])
+    # One phase: the analysis and the overall throughput cover the same iterations.
+    assert run["phases"] is None
+    assert run["figures_cover"] == {
+        "analysis": {
+            "figures": ANALYSED_FIGURES,
+            "phase": None,
+            "iterations": run["iterations"],
+            "unit": "FLOP/s",
+        },
+        "throughput": {
+            "figures": ["throughput"],
+            "phases": None,
+            "iterations": run["iterations"],
+            "unit": "FLOP/s",
+        },
+    }
+
+
+PHASED = {  # workload: its phases in the order they run, units, and seconds for a small run
+    "inference": (["prefill", "decode"], "tokens/s", "token", 2.0),
+    "membw": (["copy", "triad"], "B/s", "byte", 1.0),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(PHASED))
+def phased_run(request: pytest.FixtureRequest) -> tuple[ProbeRun, RunAnalysis]:
+    """A real small run of a phased workload on this CPU through the daemon's runner, analysed
+    by the analysis child as `sustain probe` has it analysed. Its outcome is not asserted: a
+    loaded machine may leave it short of the analysis minimum (a `timeout`), which changes no
+    statement of what a figure covers."""
+    runner = ProbeRunner()
+    seconds = PHASED[request.param][3]
+    run = runner.run(ProbeSpec(request.param, "fp32", "eager", seconds, CPU, "small"))
+    assert run.result is not None, run.reason
+    return run, analyze_run(run, runner.python, 0.02)
+
+
+def test_phased_json_states_each_phase_and_what_each_figure_covers(
+    phased_run: tuple[ProbeRun, RunAnalysis],
+) -> None:
+    run, analysis = phased_run
+    names, unit, work_unit, _ = PHASED[run.spec.workload]
+    document = json.loads(json.dumps(run_json(run, analysis, None), allow_nan=False))
+    phases = document["phases"]
+    assert list(phases) == names
+    for name, phase in phases.items():
+        own = [i for i in run.iterations if i.phase == name]
+        assert phase["iterations"] == len(own)
+        assert (phase["unit"], phase["work_unit"]) == (unit, work_unit)
+        assert phase["work"] == pytest.approx(math.fsum(i.work for i in own))
+        assert phase["seconds"] == pytest.approx(math.fsum(i.end - i.start for i in own))
+        assert phase["throughput"] == pytest.approx(phase["work"] / phase["seconds"])
+    if run.spec.workload == "inference":  # the per-token latency is decode's alone
+        assert phases["prefill"]["latency_seconds"] is None
+        latency = phases["decode"]["latency_seconds"]
+        assert latency == run.result["latency_seconds"]  # type: ignore[index]
+        assert 0 < latency["p50"] <= latency["p90"] <= latency["p99"]
+    else:
+        assert all(phase["latency_seconds"] is None for phase in phases.values())
+
+    # The analysis' figures are of its phase only, the most frequent one (decode); the
+    # throughput is total work over total timed seconds of every phase.
+    analysed = max(names, key=lambda name: phases[name]["iterations"])
+    assert document["phase"] == analysed
+    cover = document["figures_cover"]
+    assert cover["analysis"] == {
+        "figures": ANALYSED_FIGURES,
+        "phase": analysed,
+        "iterations": phases[analysed]["iterations"],
+        "unit": unit,
+    }
+    assert cover["throughput"] == {
+        "figures": ["throughput"],
+        "phases": names,
+        "iterations": len(run.iterations),
+        "unit": unit,
+    }
+    assert document["unit"] == unit
+    work = math.fsum(phase["work"] for phase in phases.values())
+    seconds = math.fsum(phase["seconds"] for phase in phases.values())
+    assert document["throughput"] == pytest.approx(work / seconds)
+    for key in cover["analysis"]["figures"] + cover["throughput"]["figures"]:
+        assert key in document, key
+
+
+def test_phased_text_shows_each_phase_and_names_the_analysed_one(
+    phased_run: tuple[ProbeRun, RunAnalysis],
+) -> None:
+    run, analysis = phased_run
+    names, unit, _, _ = PHASED[run.spec.workload]
+    lines = render_run(run, analysis, None)
+    assert max(len(line) for line in lines.splitlines()) <= 80, lines
+    labels = [line.split()[0] for line in lines.splitlines()[1:] if line[2:3].strip()]
+    shown = ["throughput", *names, "analysed", "peak"]
+    if run.reason:  # a loaded machine's run short of the minimum: "insufficient: ..." first
+        shown.insert(0, "reason")
+    assert labels[: len(shown)] == shown, lines
+    text = " ".join(lines.split())
+    assert f": every phase, {len(run.iterations)} iterations (total work / total time)" in text
+    for name in names:
+        count = sum(1 for i in run.iterations if i.phase == name)
+        assert f" {name} " in f" {text} "
+        assert f"{unit}: {count} iterations in " in text
+    analysed = str(analysis.figures["phase"])
+    count = sum(1 for i in run.iterations if i.phase == analysed)
+    assert f"analysed {analysed} only: the figures below are of its {count} iterations" in text
+    assert ("step latency p50 " in text) is (run.spec.workload == "inference")
 
 
 def recorded_steady_run(tmp_path: Path) -> dict[str, Any]:
@@ -122,7 +244,7 @@ def test_recorded_run_is_in_capacity_and_restored_after_a_restart(tmp_path: Path
     database = f"sqlite:///{tmp_path / 'sustain.db'}"
     capacity = sustain("capacity", "--database", database, "--json")
     assert capacity.returncode == 0, capacity.stderr
-    rows = json.loads(capacity.stdout)
+    rows = json.loads(capacity.stdout)["rows"]
     matmul = [row for row in rows if row["workload"] == "matmul" and row["precision"] == "fp32"]
     assert matmul, rows
     assert matmul[0]["results"] >= 1

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 from browser import CHROMIUM, colours, dump_dom, page_requests, screenshot
-from fleet_seed import SEEDED_MEDIANS, seed_fleet
+from fleet_seed import L40S_FP32_P10, LEFT_OUT, RUNS, SEEDED_MEDIANS, seed_fleet
 from sqlalchemy import Engine
 
 from agent.archive.database import open_engine, upgrade
@@ -33,7 +33,7 @@ from agent.probes.devices import TelemetryCapture
 from agent.probes.protocol import Iteration
 from agent.probes.runner import CPU, ProbeDevice, ProbeRun, ProbeRunner, ProbeSpec
 from agent.probes.scheduler import ProbeScheduler
-from agent.reports.capacity import human
+from agent.reports.capacity_output import human
 from agent.telemetry.sampler import SamplerLoop
 from agent.telemetry.store import TelemetryStore
 from collectors.base import Reading, Sample
@@ -186,7 +186,21 @@ def test_the_fleet_report_holds_the_seeded_figures(archive_engine: Engine, tmp_p
         assert f'<section id="{section}">' in page, section
     for median in SEEDED_MEDIANS:
         assert human(median, "FLOP/s") in page, median
-    assert "node-b gpu1" in page.replace("</td><td>", " ")  # the degraded device, an outlier
+    cells = page.replace("</td><td>", " ")
+    assert "node-b gpu1" in cells  # the degraded device, an outlier
+    # The L40S fp32 runs never settled: they are there, on their p10, marked so; and the page
+    # says what every figure rests on and what it leaves out, and why.
+    figure = human(L40S_FP32_P10, "FLOP/s")
+    assert (
+        f'NVIDIA L40S fp32 eager default solo p10 (no steady state)</td><td class="n">{figure}'
+    ) in cells
+    steady, p10 = 10 * RUNS, 2 * RUNS
+    assert (
+        f"The figures rest on {steady + p10} runs: {steady} on a steady basis (the work over time "
+        f"of their steady state) and {p10} on a p10 basis"
+    ) in page
+    assert f"Left out: {sum(LEFT_OUT.values())} runs (1 failed, 2 timeout)." in page
+    assert f"{steady + p10} analysed results" in page
     charts = re.findall(r'<figure class="chart" id="([^"]+)" data-marks="(\d+)">', page)
     assert len(charts) == 5, charts  # throughput, ratio, coupling, timeline, hot spots
     assert all(int(marks) > 0 for _, marks in charts), charts

@@ -134,10 +134,32 @@ class EventRecord(Base):
     created_at: Mapped[datetime] = mapped_column(UTCDateTime(), server_default=func.now())
 
 
-# The rows of the probe_results view (migration 0005), and the columns every capacity group
-# starts with: what a result measured, whose figures are never mixed (the size since 0007).
-RESULTS_WHERE = text("outcome = 'ok' AND steady_throughput IS NOT NULL")
+# Which runs ``sustain capacity`` counts, and on which basis (agent.reports.capacity), as SQL:
+# the rows of the probe_results view (migration 0005), ok runs with a steady value, count on a
+# steady basis; ok runs the analysis found never settled count on a p10 basis, their p10 over
+# one-second windows standing in for the steady value (migration 0011); the runs that could have
+# given a figure and gave none are left out, each for its reason: failed, timeout, aborted,
+# preempted, or ok without a figure (too short to judge, not analysed, under three windows).
+# Skipped and unsupported probes never ran, and running ones have not ended: none of the three.
+RESULTS_SQL = "outcome = 'ok' AND steady_throughput IS NOT NULL"
+P10_RESULTS_SQL = (
+    "outcome = 'ok' AND steady_throughput IS NULL AND classification = 'no_steady_state' "
+    "AND p10_throughput IS NOT NULL"
+)
+LEFT_OUT_SQL = (
+    "outcome IN ('failed', 'timeout', 'aborted', 'preempted') OR (outcome = 'ok' "
+    "AND steady_throughput IS NULL AND (classification IS NULL "
+    "OR classification <> 'no_steady_state' OR p10_throughput IS NULL))"
+)
+RESULTS_WHERE = text(RESULTS_SQL)
+P10_RESULTS_WHERE = text(P10_RESULTS_SQL)
+LEFT_OUT_WHERE = text(f"({LEFT_OUT_SQL})")  # an OR: grouped, so that an AND beside it binds right
+# The columns every capacity group starts with: what a result measured, whose figures are never
+# mixed (the size since 0007, the scope since 0009).
 RESULT_GROUP = ("precision", "workload", "optimization", "unit", "size", "scope")
+# The filters of ``sustain capacity`` besides the time: the columns the runs left out are
+# counted by (``ix_probe_runs_left_out``, in this order).
+RUN_FILTERS = ("precision", "workload", "optimization", "size", "scope")
 
 
 class ProbeRunRecord(Base):
@@ -193,6 +215,49 @@ class ProbeRunRecord(Base):
             "ended_at",
             sqlite_where=RESULTS_WHERE,
             postgresql_where=RESULTS_WHERE,
+        ),
+        # The same three over the runs of the p10 basis (migration 0011), and the runs left out
+        # in the order of the filters, with what says why and when: counted from an index that
+        # holds them alone, never from the table.
+        Index(
+            "ix_probe_runs_p10_results_by_device",
+            *RESULT_GROUP,
+            "node",
+            "device",
+            "device_model",
+            "stack_id",
+            "ended_at",
+            "p10_throughput",
+            sqlite_where=P10_RESULTS_WHERE,
+            postgresql_where=P10_RESULTS_WHERE,
+        ),
+        Index(
+            "ix_probe_runs_p10_results_by_model",
+            *RESULT_GROUP,
+            "device_model",
+            "p10_throughput",
+            "ended_at",
+            sqlite_where=P10_RESULTS_WHERE,
+            postgresql_where=P10_RESULTS_WHERE,
+        ),
+        Index(
+            "ix_probe_runs_p10_results_by_stack",
+            *RESULT_GROUP,
+            "stack_id",
+            "p10_throughput",
+            "ended_at",
+            sqlite_where=P10_RESULTS_WHERE,
+            postgresql_where=P10_RESULTS_WHERE,
+        ),
+        Index(
+            "ix_probe_runs_left_out",
+            *RUN_FILTERS,
+            "outcome",
+            "classification",
+            "ended_at",
+            "started_at",
+            sqlite_where=LEFT_OUT_WHERE,
+            postgresql_where=LEFT_OUT_WHERE,
         ),
     )
 

@@ -23,7 +23,8 @@ from agent.archive.models import ProbeRunRecord, ProbeSeriesRecord
 from agent.probes.analysis import RunAnalysis
 from agent.probes.attribution import HW_SLOWDOWN, POWER_BRAKE, POWER_CAP, THERMAL_REASONS
 from agent.probes.runner import ProbeRun, ProbeSpec
-from agent.probes.scheduler import LATENCY_QUANTILES, ProbeKey, ProbeResult, RecordError
+from agent.probes.scheduler import LATENCY_QUANTILES, RecordError
+from agent.probes.status import ProbeKey, ProbeResult
 
 
 def _time(timestamp: float) -> datetime:

@@ -1,9 +1,12 @@
 """The summary of probe results on PostgreSQL, kept by the database itself.
 
 ``sustain capacity`` over a fleet's whole history must not read every result: at 10,000 nodes the
-archive holds tens of millions. Four tables, written by a trigger on ``probe_runs`` in the same
+archive holds tens of millions. Tables written by a trigger on ``probe_runs`` in the same
 transaction as the run (so they can never disagree with it, whichever agent version wrote the
-run), answer the counts and locate the quantiles:
+run) answer the counts and locate the quantiles. Four per basis (``BASES``: the results with a
+steady value, and since migration 0011 the ok runs without a steady state, counted on their p10
+over one-second windows), named ``probe_result_<kind>`` for the steady basis and
+``probe_result_p10_<kind>`` for the p10 one:
 
 ``probe_result_days``
     per day (of ``ended_at``, UTC), grouping (``model`` or ``stack``, the group's value), probe
@@ -20,22 +23,36 @@ run), answer the counts and locate the quantiles:
     per grouping, group and probe: its devices (and the least and greatest model among them),
     for a query without ``--since``.
 
+and one more for the runs left out (migration 0011):
+
+``probe_result_left_out_days``
+    per day (of ``ended_at``; an aborted run, whose end was never recorded, by its start), probe
+    and reason (``failed``, ``timeout``, ``aborted``, ``preempted``, ``insufficient``,
+    ``no_figure``): the number of runs. A few rows a probe and day, read whole.
+
 From the counts alone the query finds the bucket that holds each quantile's rank, then reads the
 exact value from the results of that one bucket through an index in (group, bucket, value)
-order (``ix_probe_runs_rank_by_*``): the answer is the unsummarised query's, to the last bit.
+order (``ix_probe_runs_rank_by_*``, ``ix_probe_runs_rank_p10_by_*``): the answer is the
+unsummarised query's, to the last bit.
 
 They are PostgreSQL only (SQLite has no such fleet, and keeps its index-walking query), which is
 why they are not among the models: migrations/env.py leaves them out of Alembic's comparison.
 NULL keys are stored as '' so that the unique keys match them; no key is '' otherwise. A
 deleted result (retention drops whole months, which ``trim`` follows) is uncounted, but its
 device is not forgotten until ``trim``: the device counts are those of devices ever seen.
+Migration 0010 made the steady basis's tables; 0011 adds the p10 basis's and the runs left out
+(``create`` and ``drop`` take the parts, and the trigger always keeps those that exist).
 """
 
 from __future__ import annotations
 
+import re
+from collections.abc import Sequence
 from datetime import datetime, timedelta
 
 from sqlalchemy import Connection, TextClause, text
+
+from agent.archive.models import LEFT_OUT_SQL, P10_RESULTS_SQL, RESULTS_SQL
 
 BUCKET_WIDTH = 0.001
 """Relative width of a value bucket: a bucket holds about 1/60 of a group whose results spread
@@ -54,22 +71,48 @@ its groups by: the order of every row these queries return."""
 GROUPINGS = {"model": "device_model", "stack": "stack_id"}
 """The groupings the summary serves, and the column of probe_runs each groups by."""
 
+BASES = ("steady", "p10")
+"""What a result counts on: its steady value, or (a run without a steady state) its p10."""
+
+RESULTS_WHERE = RESULTS_SQL
+WHERES = {"steady": RESULTS_SQL, "p10": P10_RESULTS_SQL}
+"""The runs of each basis (agent.archive.models)."""
+
+VALUES = {"steady": "steady_throughput", "p10": "p10_throughput"}
+"""The column that holds each basis's figure."""
+
+LEFT_OUT_TABLE = "probe_result_left_out_days"
+
+
+def table_of(basis: str, kind: str) -> str:
+    """The table of ``kind`` (days, buckets, devices, groups) of ``basis``."""
+    return f"probe_result_{kind}" if basis == "steady" else f"probe_result_{basis}_{kind}"
+
+
+def _rank_index(basis: str, grouping: str) -> str:
+    infix = "" if basis == "steady" else f"{basis}_"
+    return f"ix_probe_runs_rank_{infix}by_{grouping}"
+
+
+KINDS = ("days", "buckets", "devices", "groups")
 RANK_INDEXES = {
-    "model": "ix_probe_runs_rank_by_model",
-    "stack": "ix_probe_runs_rank_by_stack",
+    (basis, grouping): _rank_index(basis, grouping) for basis in BASES for grouping in GROUPINGS
 }
 """PostgreSQL-only indexes for reading a quantile's exact value within its bucket."""
 
-TABLES = (
-    "probe_result_days",
-    "probe_result_buckets",
-    "probe_result_devices",
-    "probe_result_groups",
+TABLES = (*(table_of(basis, kind) for basis in BASES for kind in KINDS), LEFT_OUT_TABLE)
+
+INDEXES = (
+    *(
+        name
+        for basis in BASES
+        for name in (
+            f"ix_{table_of(basis, 'days')}_day",
+            f"ix_{table_of(basis, 'devices')}_last_ended_at",
+        )
+    ),
+    f"ix_{LEFT_OUT_TABLE}_day",
 )
-
-INDEXES = ("ix_probe_result_days_day", "ix_probe_result_devices_last_ended_at")
-
-RESULTS_WHERE = "outcome = 'ok' AND steady_throughput IS NOT NULL"
 
 BUCKET_FUNCTION = f"""
 CREATE OR REPLACE FUNCTION sustain_result_bucket(value double precision) RETURNS integer
@@ -83,39 +126,59 @@ $$
 _KEYS = ", ".join(PROBE_KEYS)
 _KEY_COLUMNS = ", ".join(f"{name} varchar(32) NOT NULL" for name in PROBE_KEYS)
 _GROUP_COLUMNS = "grouping varchar(8) NOT NULL, group_value varchar(128) NOT NULL"
+_RUN_COLUMNS = re.compile(r"\b(outcome|steady_throughput|p10_throughput|classification)\b")
 
-CREATE_TABLES = (
-    f"""
-CREATE TABLE probe_result_days (
+
+def _on(condition: str, row: str) -> str:
+    """``condition`` (on probe_runs' columns) for the row ``row`` (``NEW``, ``OLD``, ``r``)."""
+    return _RUN_COLUMNS.sub(rf"{row}.\1", f"({condition})")
+
+
+def _create_tables(basis: str) -> tuple[str, ...]:
+    days, buckets, devices, groups = (table_of(basis, kind) for kind in KINDS)
+    return (
+        f"""
+CREATE TABLE {days} (
   day date NOT NULL, {_GROUP_COLUMNS}, {_KEY_COLUMNS},
   bucket integer NOT NULL, results bigint NOT NULL,
-  CONSTRAINT pk_probe_result_days PRIMARY KEY (grouping, {_KEYS}, group_value, day, bucket)
+  CONSTRAINT pk_{days} PRIMARY KEY (grouping, {_KEYS}, group_value, day, bucket)
 )
 """,
-    "CREATE INDEX ix_probe_result_days_day ON probe_result_days (day)",
-    f"""
-CREATE TABLE probe_result_buckets (
+        f"CREATE INDEX ix_{days}_day ON {days} (day)",
+        f"""
+CREATE TABLE {buckets} (
   {_GROUP_COLUMNS}, {_KEY_COLUMNS}, bucket integer NOT NULL, results bigint NOT NULL,
-  CONSTRAINT pk_probe_result_buckets PRIMARY KEY (grouping, {_KEYS}, group_value, bucket)
+  CONSTRAINT pk_{buckets} PRIMARY KEY (grouping, {_KEYS}, group_value, bucket)
 )
 """,
-    f"""
-CREATE TABLE probe_result_devices (
+        f"""
+CREATE TABLE {devices} (
   {_GROUP_COLUMNS}, {_KEY_COLUMNS},
   node varchar(255) NOT NULL, device varchar(128) NOT NULL, device_model varchar(128) NOT NULL,
   last_ended_at timestamp with time zone NOT NULL,
-  CONSTRAINT pk_probe_result_devices PRIMARY KEY
+  CONSTRAINT pk_{devices} PRIMARY KEY
     (grouping, {_KEYS}, group_value, node, device, device_model)
 )
 """,
-    "CREATE INDEX ix_probe_result_devices_last_ended_at ON probe_result_devices (last_ended_at)",
-    f"""
-CREATE TABLE probe_result_groups (
+        f"CREATE INDEX ix_{devices}_last_ended_at ON {devices} (last_ended_at)",
+        f"""
+CREATE TABLE {groups} (
   {_GROUP_COLUMNS}, {_KEY_COLUMNS}, devices bigint NOT NULL,
   low_model varchar(128) NOT NULL, high_model varchar(128) NOT NULL,
-  CONSTRAINT pk_probe_result_groups PRIMARY KEY (grouping, {_KEYS}, group_value)
+  CONSTRAINT pk_{groups} PRIMARY KEY (grouping, {_KEYS}, group_value)
 )
 """,
+    )
+
+
+CREATE_LEFT_OUT = (
+    f"""
+CREATE TABLE {LEFT_OUT_TABLE} (
+  day date NOT NULL, {_KEY_COLUMNS}, reason varchar(16) NOT NULL, runs bigint NOT NULL,
+  CONSTRAINT pk_{LEFT_OUT_TABLE} PRIMARY KEY ({_KEYS}, reason, day)
+)
+""",
+    f"CREATE INDEX ix_{LEFT_OUT_TABLE}_day ON {LEFT_OUT_TABLE} (day)",
 )
 
 
@@ -127,26 +190,45 @@ def _day(row: str) -> str:
     return f"({row}.ended_at AT TIME ZONE 'UTC')::date"
 
 
+def _left_out_day(row: str) -> str:
+    """The day a run left out counts on: its end's, or an aborted run's start's (no end)."""
+    return f"(coalesce({row}.ended_at, {row}.started_at) AT TIME ZONE 'UTC')::date"
+
+
+def _reason(row: str) -> str:
+    """Why the run ``row`` is left out (agent.reports.capacity.left_out_reason); NULL if not."""
+    return (
+        f"CASE WHEN {_on(LEFT_OUT_SQL, row)} THEN CASE WHEN {row}.outcome <> 'ok' "
+        f"THEN {row}.outcome WHEN {row}.classification = 'insufficient' THEN 'insufficient' "
+        "ELSE 'no_figure' END END"
+    )
+
+
 _GROUP_OF = {grouping: f"coalesce(r.{column}, '')" for grouping, column in GROUPINGS.items()}
 
 _COLUMNS_DAYS = f"day, grouping, group_value, {_KEYS}, bucket, results"
 _COLUMNS_BUCKETS = f"grouping, group_value, {_KEYS}, bucket, results"
 _COLUMNS_DEVICES = f"grouping, group_value, {_KEYS}, node, device, device_model, last_ended_at"
 _COLUMNS_GROUPS = f"grouping, group_value, {_KEYS}, devices, low_model, high_model"
+_COLUMNS_LEFT_OUT = f"day, {_KEYS}, reason, runs"
 _DAYS_KEY = f"grouping, {_KEYS}, group_value, day, bucket"
 _BUCKETS_KEY = f"grouping, {_KEYS}, group_value, bucket"
 _DEVICES_KEY = f"grouping, {_KEYS}, group_value, node, device, device_model"
 _GROUPS_KEY = f"grouping, {_KEYS}, group_value"
+_LEFT_OUT_KEY = f"{_KEYS}, reason, day"
 
-# In the trigger: ``g`` is the grouping, ``gv`` its value for the row at hand (OLD or NEW).
-_MATCH = " AND ".join(
-    [
-        "grouping = g",
-        "group_value = gv",
-        *(f"{name} = coalesce({{row}}.{name}, '')" for name in PROBE_KEYS),
-        "bucket = sustain_result_bucket({row}.steady_throughput)",
-    ]
-)
+
+def _match(row: str, value: str) -> str:
+    """In the trigger: the summary row of grouping ``g`` (value ``gv``) and bucket of ``value``
+    that the run ``row`` counts in."""
+    return " AND ".join(
+        [
+            "grouping = g",
+            "group_value = gv",
+            *(f"{name} = coalesce({row}.{name}, '')" for name in PROBE_KEYS),
+            f"bucket = sustain_result_bucket({value})",
+        ]
+    )
 
 
 def _group_value(row: str) -> str:
@@ -156,57 +238,97 @@ def _group_value(row: str) -> str:
     )
 
 
-TRIGGER_FUNCTION = f"""
+def _uncount(basis: str) -> str:
+    days, buckets = table_of(basis, "days"), table_of(basis, "buckets")
+    match = _match("OLD", f"OLD.{VALUES[basis]}")
+    return f"""
+  IF TG_OP IN ('UPDATE', 'DELETE') AND {_on(WHERES[basis], "OLD")}
+     AND OLD.ended_at IS NOT NULL THEN
+    FOREACH g IN ARRAY ARRAY['model', 'stack'] LOOP
+      gv := {_group_value("OLD")};
+      UPDATE {days} SET results = results - 1 WHERE day = {_day("OLD")} AND {match};
+      UPDATE {buckets} SET results = results - 1 WHERE {match};
+    END LOOP;
+  END IF;"""
+
+
+def _count(basis: str) -> str:
+    days, buckets, devices, groups = (table_of(basis, kind) for kind in KINDS)
+    bucket = f"sustain_result_bucket(NEW.{VALUES[basis]})"
+    return f"""
+  IF TG_OP IN ('INSERT', 'UPDATE') AND {_on(WHERES[basis], "NEW")}
+     AND NEW.ended_at IS NOT NULL THEN
+    FOREACH g IN ARRAY ARRAY['model', 'stack'] LOOP
+      gv := {_group_value("NEW")};
+      INSERT INTO {days} ({_COLUMNS_DAYS})
+        VALUES ({_day("NEW")}, g, gv, {_keys("NEW")}, {bucket}, 1)
+        ON CONFLICT ({_DAYS_KEY}) DO UPDATE SET results = {days}.results + 1;
+      INSERT INTO {buckets} ({_COLUMNS_BUCKETS})
+        VALUES (g, gv, {_keys("NEW")}, {bucket}, 1)
+        ON CONFLICT ({_BUCKETS_KEY}) DO UPDATE SET results = {buckets}.results + 1;
+      INSERT INTO {devices} ({_COLUMNS_DEVICES})
+        VALUES (g, gv, {_keys("NEW")}, NEW.node, NEW.device, coalesce(NEW.device_model, ''),
+                NEW.ended_at)
+        ON CONFLICT ({_DEVICES_KEY}) DO UPDATE
+          SET last_ended_at = greatest({devices}.last_ended_at, EXCLUDED.last_ended_at)
+        RETURNING (xmax = 0) INTO fresh;
+      IF fresh THEN  -- a device new to the group
+        INSERT INTO {groups} ({_COLUMNS_GROUPS})
+          VALUES (g, gv, {_keys("NEW")}, 1, coalesce(NEW.device_model, ''),
+                  coalesce(NEW.device_model, ''))
+          ON CONFLICT ({_GROUPS_KEY}) DO UPDATE SET
+            devices = {groups}.devices + 1,
+            low_model = least({groups}.low_model, EXCLUDED.low_model),
+            high_model = greatest({groups}.high_model, EXCLUDED.high_model);
+      END IF;
+    END LOOP;
+  END IF;"""
+
+
+_LEFT_OUT_MATCH = " AND ".join(
+    [f"{name} = coalesce(OLD.{name}, '')" for name in PROBE_KEYS] + ["reason = why"]
+)
+_TRIGGER_LEFT_OUT = f"""
+  IF TG_OP IN ('UPDATE', 'DELETE') THEN
+    why := {_reason("OLD")};
+    IF why IS NOT NULL THEN
+      UPDATE {LEFT_OUT_TABLE} SET runs = runs - 1
+        WHERE day = {_left_out_day("OLD")} AND {_LEFT_OUT_MATCH};
+    END IF;
+  END IF;
+  IF TG_OP IN ('INSERT', 'UPDATE') THEN
+    why := {_reason("NEW")};
+    IF why IS NOT NULL THEN
+      INSERT INTO {LEFT_OUT_TABLE} ({_COLUMNS_LEFT_OUT})
+        VALUES ({_left_out_day("NEW")}, {_keys("NEW")}, why, 1)
+        ON CONFLICT ({_LEFT_OUT_KEY}) DO UPDATE SET runs = {LEFT_OUT_TABLE}.runs + 1;
+    END IF;
+  END IF;"""
+
+
+def trigger_function(bases: Sequence[str], left_out: bool) -> str:
+    """The trigger's function, keeping the tables of ``bases`` (and of the runs left out).
+
+    A result that was counted and is changed or removed is uncounted first (a replayed finish
+    rewrites the same values: uncounted, then counted again); so is a run left out.
+    """
+    blocks = [_uncount(basis) for basis in bases] + [_count(basis) for basis in bases]
+    if left_out:
+        blocks.append(_TRIGGER_LEFT_OUT)
+    return f"""
 CREATE OR REPLACE FUNCTION sustain_probe_result_summary() RETURNS trigger
 LANGUAGE plpgsql AS $$
 DECLARE
   g text;
   gv text;
   fresh boolean;
-BEGIN
-  -- A result that was counted and is changed or removed is uncounted first (a replayed
-  -- finish rewrites the same values: uncounted, then counted again).
-  IF TG_OP IN ('UPDATE', 'DELETE') AND OLD.outcome = 'ok'
-     AND OLD.steady_throughput IS NOT NULL AND OLD.ended_at IS NOT NULL THEN
-    FOREACH g IN ARRAY ARRAY['model', 'stack'] LOOP
-      gv := {_group_value("OLD")};
-      UPDATE probe_result_days SET results = results - 1
-        WHERE day = {_day("OLD")} AND {_MATCH.format(row="OLD")};
-      UPDATE probe_result_buckets SET results = results - 1 WHERE {_MATCH.format(row="OLD")};
-    END LOOP;
-  END IF;
-  IF TG_OP IN ('INSERT', 'UPDATE') AND NEW.outcome = 'ok'
-     AND NEW.steady_throughput IS NOT NULL AND NEW.ended_at IS NOT NULL THEN
-    FOREACH g IN ARRAY ARRAY['model', 'stack'] LOOP
-      gv := {_group_value("NEW")};
-      INSERT INTO probe_result_days ({_COLUMNS_DAYS})
-        VALUES ({_day("NEW")}, g, gv, {_keys("NEW")},
-                sustain_result_bucket(NEW.steady_throughput), 1)
-        ON CONFLICT ({_DAYS_KEY}) DO UPDATE SET results = probe_result_days.results + 1;
-      INSERT INTO probe_result_buckets ({_COLUMNS_BUCKETS})
-        VALUES (g, gv, {_keys("NEW")}, sustain_result_bucket(NEW.steady_throughput), 1)
-        ON CONFLICT ({_BUCKETS_KEY}) DO UPDATE SET results = probe_result_buckets.results + 1;
-      INSERT INTO probe_result_devices ({_COLUMNS_DEVICES})
-        VALUES (g, gv, {_keys("NEW")}, NEW.node, NEW.device, coalesce(NEW.device_model, ''),
-                NEW.ended_at)
-        ON CONFLICT ({_DEVICES_KEY}) DO UPDATE
-          SET last_ended_at = greatest(probe_result_devices.last_ended_at, EXCLUDED.last_ended_at)
-        RETURNING (xmax = 0) INTO fresh;
-      IF fresh THEN  -- a device new to the group
-        INSERT INTO probe_result_groups ({_COLUMNS_GROUPS})
-          VALUES (g, gv, {_keys("NEW")}, 1, coalesce(NEW.device_model, ''),
-                  coalesce(NEW.device_model, ''))
-          ON CONFLICT ({_GROUPS_KEY}) DO UPDATE SET
-            devices = probe_result_groups.devices + 1,
-            low_model = least(probe_result_groups.low_model, EXCLUDED.low_model),
-            high_model = greatest(probe_result_groups.high_model, EXCLUDED.high_model);
-      END IF;
-    END LOOP;
-  END IF;
+  why text;
+BEGIN{"".join(blocks)}
   RETURN NULL;
 END
 $$
 """
+
 
 CREATE_TRIGGER = (
     "CREATE TRIGGER probe_result_summary AFTER INSERT OR UPDATE OR DELETE ON probe_runs "
@@ -214,46 +336,44 @@ CREATE_TRIGGER = (
 )
 
 
-def _rank_index(grouping: str) -> str:
-    column = GROUPINGS[grouping]
+def _create_rank_index(basis: str, grouping: str) -> str:
+    column, value = GROUPINGS[grouping], VALUES[basis]
     return (
-        f"CREATE INDEX {RANK_INDEXES[grouping]} ON probe_runs "
+        f"CREATE INDEX {RANK_INDEXES[basis, grouping]} ON probe_runs "
         f"({', '.join(GROUP_KEYS)}, {column}, "
-        f"sustain_result_bucket(steady_throughput), steady_throughput, ended_at) "
-        f"WHERE {RESULTS_WHERE}"
+        f"sustain_result_bucket({value}), {value}, ended_at) "
+        f"WHERE {WHERES[basis]}"
     )
 
 
-_RESULTS = f"r.{RESULTS_WHERE.replace(' AND ', ' AND r.')} AND r.ended_at IS NOT NULL"
-
-
-def _results(columns: str, where: str) -> str:
-    """Each result once per grouping: ``grouping``, ``gv``, the probe keys and ``columns``."""
+def _results(basis: str, columns: str, where: str) -> str:
+    """Each result of ``basis`` once per grouping: ``grouping``, ``gv``, the probe keys and
+    ``columns``."""
     keys = ", ".join(f"coalesce(r.{name}, '') AS {name}" for name in PROBE_KEYS)
     return " UNION ALL ".join(
         f"SELECT '{grouping}' AS grouping, {value} AS gv, {keys}, {columns} "
-        f"FROM probe_runs r WHERE {_RESULTS} {where}"
+        f"FROM probe_runs r WHERE {_on(WHERES[basis], 'r')} AND r.ended_at IS NOT NULL {where}"
         for grouping, value in _GROUP_OF.items()
     )
 
 
-def _fill_days(where: str = "") -> str:
+def _fill_days(basis: str, where: str = "") -> str:
     selects = _results(
-        f"{_day('r')} AS day, sustain_result_bucket(r.steady_throughput) AS bucket", where
+        basis, f"{_day('r')} AS day, sustain_result_bucket(r.{VALUES[basis]}) AS bucket", where
     )
     return (
-        f"INSERT INTO probe_result_days ({_COLUMNS_DAYS}) "
+        f"INSERT INTO {table_of(basis, 'days')} ({_COLUMNS_DAYS}) "
         f"SELECT day, grouping, gv, {_KEYS}, bucket, count(*) FROM ({selects}) s "
         f"GROUP BY day, grouping, gv, {_KEYS}, bucket"
     )
 
 
-def _fill_devices(where: str = "") -> str:
+def _fill_devices(basis: str, where: str = "") -> str:
     selects = _results(
-        "r.node, r.device, coalesce(r.device_model, '') AS device_model, r.ended_at", where
+        basis, "r.node, r.device, coalesce(r.device_model, '') AS device_model, r.ended_at", where
     )
     return (
-        f"INSERT INTO probe_result_devices ({_COLUMNS_DEVICES}) "
+        f"INSERT INTO {table_of(basis, 'devices')} ({_COLUMNS_DEVICES}) "
         f"SELECT grouping, gv, {_KEYS}, node, device, device_model, max(ended_at) "
         f"FROM ({selects}) s GROUP BY grouping, gv, {_KEYS}, node, device, device_model "
         # (a device seen later as well is already there, with its later result)
@@ -261,47 +381,103 @@ def _fill_devices(where: str = "") -> str:
     )
 
 
-_FILL_BUCKETS = (
-    f"INSERT INTO probe_result_buckets ({_COLUMNS_BUCKETS}) "
-    f"SELECT grouping, group_value, {_KEYS}, bucket, sum(results) FROM probe_result_days "
-    f"GROUP BY grouping, group_value, {_KEYS}, bucket"
-)
-_FILL_GROUPS = (
-    f"INSERT INTO probe_result_groups ({_COLUMNS_GROUPS}) "
-    f"SELECT grouping, group_value, {_KEYS}, count(*), min(device_model), max(device_model) "
-    f"FROM probe_result_devices GROUP BY grouping, group_value, {_KEYS}"
-)
+def _fill_buckets(basis: str) -> str:
+    return (
+        f"INSERT INTO {table_of(basis, 'buckets')} ({_COLUMNS_BUCKETS}) "
+        f"SELECT grouping, group_value, {_KEYS}, bucket, sum(results) "
+        f"FROM {table_of(basis, 'days')} GROUP BY grouping, group_value, {_KEYS}, bucket"
+    )
 
 
-def create(connection: Connection) -> None:
-    """The bucket function, the tables, the trigger and the rank indexes; filled from the runs."""
-    connection.exec_driver_sql(BUCKET_FUNCTION)
-    for statement in CREATE_TABLES:
-        connection.exec_driver_sql(statement)
-    for grouping in GROUPINGS:
-        connection.exec_driver_sql(_rank_index(grouping))
-    connection.exec_driver_sql(TRIGGER_FUNCTION)
-    connection.exec_driver_sql(CREATE_TRIGGER)
-    rebuild(connection)
+def _fill_groups(basis: str) -> str:
+    return (
+        f"INSERT INTO {table_of(basis, 'groups')} ({_COLUMNS_GROUPS}) "
+        f"SELECT grouping, group_value, {_KEYS}, count(*), min(device_model), max(device_model) "
+        f"FROM {table_of(basis, 'devices')} GROUP BY grouping, group_value, {_KEYS}"
+    )
 
 
-def drop(connection: Connection) -> None:
+def _fill_left_out(where: str = "") -> str:
+    keys = ", ".join(f"coalesce(r.{name}, '') AS {name}" for name in PROBE_KEYS)
+    return (
+        f"INSERT INTO {LEFT_OUT_TABLE} ({_COLUMNS_LEFT_OUT}) "
+        f"SELECT day, {_KEYS}, reason, count(*) FROM (SELECT {_left_out_day('r')} AS day, "
+        f"{keys}, {_reason('r')} AS reason FROM probe_runs r "
+        f"WHERE {_on(LEFT_OUT_SQL, 'r')} {where}) s GROUP BY day, {_KEYS}, reason"
+    )
+
+
+def _present(connection: Connection) -> tuple[list[str], bool]:
+    """The bases whose tables exist, and whether the runs left out are counted."""
+    bases = [
+        basis
+        for basis in BASES
+        if connection.execute(
+            text("SELECT to_regclass(:name)"), {"name": table_of(basis, "days")}
+        ).scalar()
+        is not None
+    ]
+    left_out = (
+        connection.execute(text("SELECT to_regclass(:name)"), {"name": LEFT_OUT_TABLE}).scalar()
+        is not None
+    )
+    return bases, left_out
+
+
+def _keep(connection: Connection) -> None:
+    """The trigger over the parts that exist (none left: no trigger, no functions)."""
+    bases, left_out = _present(connection)
     connection.exec_driver_sql("DROP TRIGGER IF EXISTS probe_result_summary ON probe_runs")
+    if bases or left_out:
+        connection.exec_driver_sql(trigger_function(bases, left_out))
+        connection.exec_driver_sql(CREATE_TRIGGER)
+        return
     connection.exec_driver_sql("DROP FUNCTION IF EXISTS sustain_probe_result_summary()")
-    for name in RANK_INDEXES.values():
-        connection.exec_driver_sql(f"DROP INDEX IF EXISTS {name}")
-    for table in TABLES:
-        connection.exec_driver_sql(f"DROP TABLE IF EXISTS {table}")
     connection.exec_driver_sql("DROP FUNCTION IF EXISTS sustain_result_bucket(double precision)")
 
 
-def rebuild(connection: Connection) -> None:
-    """Recompute the tables from ``probe_runs`` (after a bulk load made with triggers off)."""
-    connection.exec_driver_sql(f"TRUNCATE {', '.join(TABLES)}")
-    connection.exec_driver_sql(_fill_days())
-    connection.exec_driver_sql(_FILL_BUCKETS)
-    connection.exec_driver_sql(_fill_devices())
-    connection.exec_driver_sql(_FILL_GROUPS)
+def create(connection: Connection, bases: Sequence[str] = BASES, *, left_out: bool = True) -> None:
+    """The tables and rank indexes of ``bases`` (and of the runs left out), filled from the runs,
+    and the trigger, which then keeps every part that exists."""
+    connection.exec_driver_sql(BUCKET_FUNCTION)
+    for basis in bases:
+        for statement in _create_tables(basis):
+            connection.exec_driver_sql(statement)
+        for grouping in GROUPINGS:
+            connection.exec_driver_sql(_create_rank_index(basis, grouping))
+    if left_out:
+        for statement in CREATE_LEFT_OUT:
+            connection.exec_driver_sql(statement)
+    _keep(connection)
+    rebuild(connection, bases, left_out=left_out)
+
+
+def drop(connection: Connection, bases: Sequence[str] = BASES, *, left_out: bool = True) -> None:
+    """The parts named (all of them by default), and the trigger if nothing is left to keep."""
+    for basis in bases:
+        for grouping in GROUPINGS:
+            connection.exec_driver_sql(f"DROP INDEX IF EXISTS {RANK_INDEXES[basis, grouping]}")
+        for kind in KINDS:
+            connection.exec_driver_sql(f"DROP TABLE IF EXISTS {table_of(basis, kind)}")
+    if left_out:
+        connection.exec_driver_sql(f"DROP TABLE IF EXISTS {LEFT_OUT_TABLE}")
+    _keep(connection)
+
+
+def rebuild(connection: Connection, bases: Sequence[str] = BASES, *, left_out: bool = True) -> None:
+    """Recompute the tables of ``bases`` (and of the runs left out) from ``probe_runs``: after a
+    bulk load made with triggers off, or when they are made."""
+    tables = [table_of(basis, kind) for basis in bases for kind in KINDS]
+    if left_out:
+        tables.append(LEFT_OUT_TABLE)
+    connection.exec_driver_sql(f"TRUNCATE {', '.join(tables)}")
+    for basis in bases:
+        connection.exec_driver_sql(_fill_days(basis))
+        connection.exec_driver_sql(_fill_buckets(basis))
+        connection.exec_driver_sql(_fill_devices(basis))
+        connection.exec_driver_sql(_fill_groups(basis))
+    if left_out:
+        connection.exec_driver_sql(_fill_left_out())
 
 
 def trim(connection: Connection, before: datetime) -> None:
@@ -315,70 +491,102 @@ def trim(connection: Connection, before: datetime) -> None:
     """
     window = "AND r.ended_at >= :start AND r.ended_at < :end"
     bounds = {"start": before, "end": before + timedelta(days=1)}
+    for basis in BASES:
+        days, devices = table_of(basis, "days"), table_of(basis, "devices")
+        connection.execute(text(f"DELETE FROM {days} WHERE day <= :day"), {"day": before.date()})
+        connection.execute(text(_fill_days(basis, window)), bounds)
+        connection.execute(
+            text(f"DELETE FROM {devices} WHERE last_ended_at < :end"), {"end": bounds["end"]}
+        )
+        connection.execute(text(_fill_devices(basis, window)), bounds)
+        connection.exec_driver_sql(
+            f"TRUNCATE {table_of(basis, 'buckets')}, {table_of(basis, 'groups')}"
+        )
+        connection.exec_driver_sql(_fill_buckets(basis))
+        connection.exec_driver_sql(_fill_groups(basis))
     connection.execute(
-        text("DELETE FROM probe_result_days WHERE day <= :day"), {"day": before.date()}
+        text(f"DELETE FROM {LEFT_OUT_TABLE} WHERE day <= :day"), {"day": before.date()}
     )
-    connection.execute(text(_fill_days(window)), bounds)
-    connection.execute(
-        text("DELETE FROM probe_result_devices WHERE last_ended_at < :end"), {"end": bounds["end"]}
-    )
-    connection.execute(text(_fill_devices(window)), bounds)
-    connection.exec_driver_sql("TRUNCATE probe_result_buckets, probe_result_groups")
-    connection.exec_driver_sql(_FILL_BUCKETS)
-    connection.exec_driver_sql(_FILL_GROUPS)
+    ended = "coalesce(r.ended_at, r.started_at)"
+    connection.execute(text(_fill_left_out(f"AND {ended} >= :start AND {ended} < :end")), bounds)
 
 
 _GROUP_KEY_LIST = ", ".join(GROUP_KEYS)
-_BUCKET = "sustain_result_bucket(steady_throughput)"
 
 
-def counts_query(by: str, filters: list[str], *, since: bool) -> TextClause:
-    """Results per group and bucket of ``grouping`` ``by``: rows of (GROUP_KEYS..., group,
-    bucket, results). Parameters: ``grouping``, each filter by name; with ``since``: ``since``,
-    ``first_day`` (its date) and ``next_day`` (the day after, an instant): the days after
-    ``first_day`` from the summary, the rest from the results. Without: the whole history's."""
+def _bucket(basis: str) -> str:
+    return f"sustain_result_bucket({VALUES[basis]})"
+
+
+def counts_query(by: str, basis: str, filters: list[str], *, since: bool) -> TextClause:
+    """Results of ``basis`` per group and bucket of ``grouping`` ``by``: rows of
+    (GROUP_KEYS..., group, bucket, results). Parameters: ``grouping``, each filter by name; with
+    ``since``: ``since``, ``first_day`` (its date) and ``next_day`` (the day after, an instant):
+    the days after ``first_day`` from the summary, the rest from the results. Without: the whole
+    history's."""
     where = "".join(f" AND {name} = :{name}" for name in filters)
     if not since:
         return text(
-            f"SELECT {_GROUP_KEY_LIST}, group_value, bucket, results FROM probe_result_buckets "
+            f"SELECT {_GROUP_KEY_LIST}, group_value, bucket, results "
+            f"FROM {table_of(basis, 'buckets')} "
             f"WHERE grouping = :grouping{where} AND results > 0"
         )
     column = GROUPINGS[by]
     return text(
-        f"SELECT {_GROUP_KEY_LIST}, group_value, bucket, sum(results) FROM probe_result_days "
-        f"WHERE grouping = :grouping{where} AND day > :first_day "
+        f"SELECT {_GROUP_KEY_LIST}, group_value, bucket, sum(results) "
+        f"FROM {table_of(basis, 'days')} WHERE grouping = :grouping{where} AND day > :first_day "
         f"GROUP BY {_GROUP_KEY_LIST}, group_value, bucket UNION ALL "
-        f"SELECT {_GROUP_KEY_LIST}, coalesce({column}, ''), {_BUCKET}, count(*) FROM probe_runs "
-        f"WHERE {RESULTS_WHERE}{where} AND ended_at >= :since AND ended_at < :next_day "
-        f"GROUP BY {_GROUP_KEY_LIST}, {column}, {_BUCKET}"
+        f"SELECT {_GROUP_KEY_LIST}, coalesce({column}, ''), {_bucket(basis)}, count(*) "
+        f"FROM probe_runs WHERE {WHERES[basis]}{where} "
+        f"AND ended_at >= :since AND ended_at < :next_day "
+        f"GROUP BY {_GROUP_KEY_LIST}, {column}, {_bucket(basis)}"
     )
 
 
-def devices_query(filters: list[str], *, since: bool) -> TextClause:
-    """Devices per group, and the least and greatest model among them: rows of
+def devices_query(basis: str, filters: list[str], *, since: bool) -> TextClause:
+    """Devices of ``basis`` per group, and the least and greatest model among them: rows of
     (GROUP_KEYS..., group, devices, min model, max model)."""
     where = "".join(f" AND {name} = :{name}" for name in filters)
     if not since:
         return text(
             f"SELECT {_GROUP_KEY_LIST}, group_value, devices, low_model, high_model "
-            f"FROM probe_result_groups WHERE grouping = :grouping{where}"
+            f"FROM {table_of(basis, 'groups')} WHERE grouping = :grouping{where}"
         )
     return text(
         f"SELECT {_GROUP_KEY_LIST}, group_value, count(*), min(device_model), max(device_model) "
-        f"FROM probe_result_devices WHERE grouping = :grouping{where} "
+        f"FROM {table_of(basis, 'devices')} WHERE grouping = :grouping{where} "
         f"AND last_ended_at >= :since GROUP BY {_GROUP_KEY_LIST}, group_value"
     )
 
 
-def rank_query(by: str, nulls: list[bool], lookups: int, *, since: bool) -> TextClause:
-    """For ``lookups`` groups of one shape at once, two results each in (bucket, value) order
-    from an offset within the buckets from a bucket on: rows of (lookup, value).
+def left_out_query(filters: list[str], *, since: bool) -> TextClause:
+    """The runs left out, per reason: rows of (reason, runs), a reason possibly twice (add
+    them). Parameters: each filter by name; with ``since`` as for ``counts_query``."""
+    where = "".join(f" AND {name} = :{name}" for name in filters)
+    if not since:
+        return text(
+            f"SELECT reason, sum(runs) FROM {LEFT_OUT_TABLE} WHERE runs <> 0{where} GROUP BY reason"
+        )
+    ended = "coalesce(r.ended_at, r.started_at)"
+    runs_where = "".join(f" AND r.{name} = :{name}" for name in filters)
+    return text(
+        f"SELECT reason, sum(runs) FROM {LEFT_OUT_TABLE} WHERE day > :first_day{where} "
+        f"GROUP BY reason UNION ALL "
+        f"SELECT {_reason('r')}, count(*) FROM probe_runs r WHERE {_on(LEFT_OUT_SQL, 'r')}"
+        f"{runs_where} AND {ended} >= :since AND {ended} < :next_day GROUP BY 1"
+    )
+
+
+def rank_query(by: str, basis: str, nulls: list[bool], lookups: int, *, since: bool) -> TextClause:
+    """For ``lookups`` groups of one shape at once, two results of ``basis`` each in (bucket,
+    value) order from an offset within the buckets from a bucket on: rows of (lookup, value).
 
     Lookup ``j`` binds ``j_i`` (its number), ``j_b`` (the bucket), ``j_o`` (the offset) and
     ``j_k0``, ``j_k1``, ... (GROUP_KEYS' values and ``by``'s) except where ``nulls`` says the
     value is NULL (an index serves ``IS NULL``, never ``IS NOT DISTINCT FROM``: groups with a
     NULL in another place are another shape). One statement, planned once, for every group
-    of the shape; each lookup walks ``ix_probe_runs_rank_by_<by>`` from its bucket.
+    of the shape; each lookup walks the basis's ``ix_probe_runs_rank_..._by_<by>`` from its
+    bucket.
     """
     names = [*GROUP_KEYS, GROUPINGS[by]]
     given = [i for i, null in enumerate(nulls) if not null]
@@ -398,9 +606,10 @@ def rank_query(by: str, nulls: list[bool], lookups: int, *, since: bool) -> Text
     ]
     if since:
         conditions.append("ended_at >= :since")
+    value, bucket = VALUES[basis], _bucket(basis)
     return text(
-        f"SELECT w.i, r.steady_throughput FROM (VALUES {rows}) AS w ({columns}) "
-        f"CROSS JOIN LATERAL (SELECT steady_throughput FROM probe_runs WHERE {RESULTS_WHERE} "
-        f"AND {' AND '.join(conditions)} AND {_BUCKET} >= w.b "
-        f"ORDER BY {_BUCKET}, steady_throughput OFFSET w.o LIMIT 2) AS r"
+        f"SELECT w.i, r.{value} FROM (VALUES {rows}) AS w ({columns}) "
+        f"CROSS JOIN LATERAL (SELECT {value} FROM probe_runs WHERE {WHERES[basis]} "
+        f"AND {' AND '.join(conditions)} AND {bucket} >= w.b "
+        f"ORDER BY {bucket}, {value} OFFSET w.o LIMIT 2) AS r"
     )

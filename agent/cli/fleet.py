@@ -19,7 +19,7 @@ from sqlalchemy import Engine
 from agent.archive.database import ArchiveError
 from agent.archive.stack_snapshots import StackNotFound, find, history
 from agent.probes.runner import ProbeRunner
-from agent.reports import capacity
+from agent.reports import capacity, capacity_output
 from agent.reports.capacity import parse_since
 from agent.stack.tracker import torch_facts_from_child
 from collectors.nvml.library import NvmlLibrary
@@ -181,8 +181,10 @@ def capacity_report(
     as_json: bool,
     width: int | None = None,
 ) -> str:
-    """The capacity table (``width``: the terminal's, else 80 columns), or the JSON rows; where
-    no result matches, why: an empty archive, a filter value no result has, or the period."""
+    """The capacity table (``width``: the terminal's, else 80 columns) and under it the runs it
+    rests on, by basis, and those left out, by reason; or all of it as one JSON object. Where no
+    result matches, why: an empty archive, a filter value no result has, or the period (and the
+    runs left out, where there were any)."""
     filters = {
         "precision": precision,
         "workload": workload,
@@ -192,7 +194,7 @@ def capacity_report(
     }
     start = since(since_text)
     try:
-        rows = capacity.capacity(
+        answer = capacity.capacity_with_runs(
             engine,
             by=by,
             precision=precision,
@@ -203,12 +205,18 @@ def capacity_report(
             since=start,
         )
         if as_json:
-            return json.dumps(capacity.rows_as_json(rows), indent=2)
-        if not rows:
-            return _nothing_matches(engine, filters, since_text, start)
+            return json.dumps(capacity_output.capacity_as_json(answer), indent=2)
+        if not answer.rows:
+            nothing = _nothing_matches(engine, filters, since_text, start)
+            if not answer.runs.left_out_total:
+                return nothing
+            return f"{nothing}\n{capacity_output.render_runs(answer.runs)}"
     except ArchiveError as exc:
         raise FleetUsageError(str(exc)) from None
-    return capacity.render_table(rows, by, width or shutil.get_terminal_size().columns)
+    table = capacity_output.render_table(
+        answer.rows, by, width or shutil.get_terminal_size().columns
+    )
+    return f"{table}\n\n{capacity_output.render_runs(answer.runs)}"
 
 
 def _nothing_matches(

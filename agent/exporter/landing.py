@@ -1,8 +1,10 @@
 """The landing page at /: what an operator who opens the agent in a browser wants to know first.
 
 The node, its collectors (up, down, or absent and why), each device with its health verdict and
-the reasons behind it, and the latest probe of each device with its sustained ratio and
-classification; then links to /metrics, /healthz and the documentation. Everything comes from
+the reasons behind it, and the latest probe run of each device: its own outcome and figures (its
+throughput, on a steady or a p10 basis, its sustained ratio and classification), or that it gave
+none and why, never the figures of an older run beside its time; then links to /metrics, /healthz
+and the documentation. Everything comes from
 status objects the agent already keeps in memory (no archive query), so the page costs about what
 a /healthz does. Plain HTML: every value is escaped, no script, no style sheet or font from
 elsewhere (a strict Content-Security-Policy goes with it).
@@ -17,7 +19,8 @@ from dataclasses import dataclass
 
 from agent import __version__
 from agent.health.monitor import DeviceHealth
-from agent.probes.scheduler import ProbeKey, ProbeResult, ProbeStatus
+from agent.probes.status import LatestRun, ProbeKey, ProbeStatus
+from agent.reports.capacity_output import human
 from agent.telemetry.sampler import LoopStatus
 from collectors.base import Sample
 
@@ -93,31 +96,57 @@ def _collectors(loops: Sequence[LoopStatus], now: float) -> str:
     )
 
 
-def _latest_probes(status: ProbeStatus) -> dict[str, tuple[ProbeKey, ProbeResult]]:
-    """Each device's most recent analysed probe, by device label."""
-    latest: dict[str, tuple[ProbeKey, ProbeResult]] = {}
-    for key, result in status.results.items():
+def _latest_probes(status: ProbeStatus) -> dict[str, tuple[ProbeKey, LatestRun]]:
+    """Each device's most recent probe run (solo, not skipped), by device label."""
+    latest: dict[str, tuple[ProbeKey, LatestRun]] = {}
+    for key, run in status.latest.items():
         device = key[3]
         held = latest.get(device)
-        if held is None or status.last_run.get(key, 0.0) > status.last_run.get(held[0], 0.0):
-            latest[device] = (key, result)
+        if held is None or run.ended_at > held[1].ended_at:
+            latest[device] = (key, run)
     return latest
 
 
-def _probe_cells(
-    entry: tuple[ProbeKey, ProbeResult] | None, status: ProbeStatus, now: float
-) -> str:
+def _outcome(run: LatestRun) -> str:
+    """The run's outcome in words: ``ok``, or why it gave no figures (``timeout after 60 s, no
+    figures: ...``)."""
+    if run.result is not None:
+        return run.outcome
+    seconds = max(0.0, run.ended_at - run.started_at)
+    after = f" after {seconds:.0f} s" if run.outcome != "unsupported" else ""
+    why = run.reason or ("not analysed" if run.outcome == "ok" else "")
+    return f"{run.outcome}{after}, no figures" + (f": {why}" if why else "")
+
+
+def _throughput(run: LatestRun) -> str:
+    """The figure a planner would use, with its basis: the steady value, else the p10 over
+    one-second windows of a run that never settled."""
+    if run.result is None:
+        return ""
+    figures, unit = run.result.analysis.figures, run.result.unit
+    steady, p10 = figures.get("steady_throughput"), figures.get("p10_throughput")
+    if isinstance(steady, int | float):
+        return f"{human(float(steady), unit)} steady"
+    if isinstance(p10, int | float) and figures.get("classification") == "no_steady_state":
+        return f"{human(float(p10), unit)} p10 (no steady state)"
+    return "none"
+
+
+def _probe_cells(entry: tuple[ProbeKey, LatestRun] | None, now: float) -> str:
     if entry is None:
-        return "<td colspan=4>no probe result yet</td>"
-    key, result = entry
-    figures = result.analysis.figures
-    ratio = figures.get("sustained_ratio")
-    cause = result.analysis.attribution.cause
-    classification = str(figures.get("classification") or "")
-    if cause:
-        classification += f" ({cause})"
+        return "<td colspan=6>no probe run yet</td>"
+    key, run = entry
+    ratio, classification = None, ""
+    if run.result is not None:
+        figures = run.result.analysis.figures
+        ratio = figures.get("sustained_ratio")
+        cause = run.result.analysis.attribution.cause
+        classification = str(figures.get("classification") or "")
+        if cause:
+            classification += f" ({cause})"
     return (
-        f"<td>{_e(' '.join(key[:3]))}</td><td>{_e(_age(status.last_run.get(key), now))}</td>"
+        f"<td>{_e(' '.join(key[:3]))}</td><td>{_e(_age(run.ended_at, now))}</td>"
+        f"<td>{_e(_outcome(run))}</td><td>{_e(_throughput(run))}</td>"
         f"<td>{'' if ratio is None else f'{float(ratio):.3f}'}</td><td>{_e(classification)}</td>"
     )
 
@@ -149,19 +178,18 @@ def _devices(sources: LandingSources, now: float) -> str:
     rows = []
     for device in verdicts:
         entry = latest.pop(device.label, None)
-        probe = "" if status is None else _probe_cells(entry, status, now)
+        probe = "" if status is None else _probe_cells(entry, now)
         name = models.get(device.uuid) or device.name
         rows.append(
             f"<tr><td>{_e(device.label)}</td><td>{_e(name)}</td><td>{_e(device.uuid)}</td>"
             f"<td class={_e(device.state)}>{_e(device.state)}{_findings(device)}</td>{probe}</tr>"
         )
     for label, entry in sorted(latest.items()):  # probed devices the monitor does not list
-        assert status is not None
         rows.append(
             f"<tr><td>{_e(label)}</td><td>{_e(models.get(entry[0][4], ''))}</td>"
             f"<td>{_e(entry[0][4])}</td>"
             f"<td>{'' if sources.health is None else 'not sampled'}</td>"
-            f"{_probe_cells(entry, status, now)}</tr>"
+            f"{_probe_cells(entry, now)}</tr>"
         )
     health_off = (
         "<p>Health verdicts are off (health.enabled).</p>" if sources.health is None else ""
@@ -170,7 +198,10 @@ def _devices(sources: LandingSources, now: float) -> str:
         return f"{health_off}<p>No device reported yet.</p>"
     head = "<th>device</th><th>name</th><th>uuid</th><th>health</th>"
     if status is not None:
-        head += "<th>last probe</th><th>ran</th><th>sustained ratio</th><th>classification</th>"
+        head += (
+            "<th>last probe</th><th>ran</th><th>outcome</th><th>throughput</th>"
+            "<th>sustained ratio</th><th>classification</th>"
+        )
     return f"{health_off}<table><tr>{head}</tr>{''.join(rows)}</table>"
 
 

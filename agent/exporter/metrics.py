@@ -30,7 +30,8 @@ from agent.exporter.health import health_families
 from agent.exporter.occupancy import occupancy_families
 from agent.health.monitor import DeviceHealth
 from agent.occupancy.tracker import OccupancyStatus
-from agent.probes.scheduler import LATENCY_QUANTILES, ProbeResult, ProbeStatus
+from agent.probes.scheduler import LATENCY_QUANTILES
+from agent.probes.status import ProbeResult, ProbeStatus
 from agent.stack.tracker import INFO_LABELS, StackStatus
 from agent.telemetry.sampler import LoopStatus
 from agent.telemetry.store import TelemetryStore
@@ -240,7 +241,8 @@ def _throughput_family(unit: str, name: str) -> GaugeMetricFamily:
     return GaugeMetricFamily(
         name,
         f"Achieved throughput ({unit}) of the probe's latest run: stat=peak (best short "
-        "window), stat=steady (mean of the steady state, absent without one), stat=p10 and "
+        "window, work over time), stat=steady (work over time of the steady state, absent "
+        "without one), stat=p10 and "
         "stat=p50 (percentiles over one-second windows, present even without a steady state); "
         "scope=device for solo runs, scope=node for a device's run within a node-wide run and "
         "for the node's sum (device=node).",
@@ -466,6 +468,12 @@ class AgentMetrics(PromCollector):
             "sustain_archive_write_errors",
             "Failed archive writes (their rows and events are kept and retried).",
             value=archive.write_errors,
+        )
+        yield CounterMetricFamily(
+            "sustain_archive_write_conflicts_retried",
+            "Archive writes that collided with another writer's transaction (deadlock or "
+            "serialization failure) and were retried at once; not errors.",
+            value=archive.write_conflicts_retried,
         )
         if archive.last_write_timestamp is not None:
             yield GaugeMetricFamily(

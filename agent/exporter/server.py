@@ -47,7 +47,7 @@ from agent.exporter import landing
 from agent.exporter.landing import LandingSources
 from agent.exporter.text import Encoder
 from agent.health.monitor import DeviceHealth
-from agent.probes.scheduler import ProbeStatus
+from agent.probes.status import ProbeStatus
 from agent.telemetry.sampler import LoopStatus
 from collectors.base import Sample
 

@@ -35,7 +35,7 @@ from agent.health.rules import HELD, Finding, Readings, State, gpu_conditions, w
 from agent.probes.analysis import RunAnalysis
 from agent.probes.node import Coupling
 from agent.probes.runner import ProbeDevice, ProbeRun
-from agent.probes.scheduler import ProbeKey
+from agent.probes.status import ProbeKey
 from collectors.base import Event, Sample
 
 log = logging.getLogger(__name__)

@@ -51,7 +51,8 @@ def row_label(row: ThroughputRow) -> str:
     c = row.capacity
     scope = SCOPE_SHOWN.get(c.scope, c.scope)
     size = "" if c.size in (None, "default") else f", {c.size}"
-    return f"{c.group or 'unknown model'} · {c.precision} {c.optimization} ({scope}{size})"
+    basis = "" if c.basis == "steady" else f", {c.basis} basis"
+    return f"{c.group or 'unknown model'} · {c.precision} {c.optimization} ({scope}{size}{basis})"
 
 
 def throughput_chart(rows: Sequence[ThroughputRow]) -> Chart:
@@ -173,6 +174,7 @@ def coupling_chart(pairs: Sequence[tuple[ThroughputRow, ThroughputRow]]) -> Char
         )
     labels = [
         f"{s.capacity.group or 'unknown model'} · {s.capacity.workload} {s.capacity.precision}"
+        + ("" if s.capacity.basis == "steady" else f" ({s.capacity.basis} basis)")
         for s, _ in pairs
     ]
     ax.set_yticks(y, labels, fontsize=8)

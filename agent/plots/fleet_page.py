@@ -19,7 +19,8 @@ from typing import TYPE_CHECKING
 
 from agent.plots import fleet_charts
 from agent.plots.fleet_charts import Chart, row_label
-from agent.reports.capacity import SCOPE_SHOWN, human
+from agent.reports.capacity import SCOPE_SHOWN, RunsCounted
+from agent.reports.capacity_output import LEFT_OUT_SHOWN, human
 from agent.reports.fleet import FleetData, ThroughputRow, coupling_pairs
 
 if TYPE_CHECKING:
@@ -38,6 +39,7 @@ figure.chart { margin: 0.8em 0; } figure.chart svg { max-width: 100%; height: au
 .empty { color: #666; font-style: italic; } .lead { color: #555; }
 """
 SHORT_STACK = 12
+BASIS_SHOWN = {"steady": "steady", "p10": "p10 (no steady state)"}
 
 
 def render(data: FleetData, outliers: Sequence[Outlier], outlier_ratio: float) -> str:
@@ -57,6 +59,7 @@ def render(data: FleetData, outliers: Sequence[Outlier], outlier_ratio: float) -
         f'<p class="lead" id="period">{_e(period)}; generated '
         f"{data.generated_at:%Y-%m-%d %H:%M} UTC by sustain report fleet. "
         f"{data.results} analysed results from {data.devices} devices on {data.nodes} nodes.</p>",
+        f'<p class="lead" id="runs">{_e(runs_used(data.runs))}</p>',
     ]
     if data.empty:
         parts.append(
@@ -107,12 +110,31 @@ def _maybe(value: float | None, unit: str | None) -> str:
     return "-" if value is None else human(value, unit)
 
 
+def runs_used(runs: RunsCounted) -> str:
+    """The runs behind the page's figures, by basis, and those left out, by reason, in words."""
+    used = (
+        f"The figures rest on {runs.used} runs: {runs.steady} on a steady basis (the work "
+        f"over time of their steady state) and {runs.p10} on a p10 basis (runs that never "
+        "settled, counted on their 10th percentile over one-second windows)."
+    )
+    reasons = [
+        f"{count} {LEFT_OUT_SHOWN.get(reason, reason)}"
+        for reason, count in runs.left_out.items()
+        if count
+    ]
+    if not reasons:
+        return f"{used} No run was left out."
+    return f"{used} Left out: {runs.left_out_total} runs ({', '.join(reasons)})."
+
+
 def _throughput(rows: Sequence[ThroughputRow]) -> list[str]:
     parts = [
         '<section id="throughput"><h2>Sustained throughput per GPU model and precision</h2>',
         "<p>The bar is the median of the runs' steady-state throughput, the tick their 10th "
         "percentile (9 results in 10 were at least this); the triangle is the runs' mean peak "
-        "(the best 5% window of each run), the diamond the model's published dense peak.</p>",
+        "(the best 5% window of each run), the diamond the model's published dense peak. Runs "
+        "that never settled count on their p10 over one-second windows instead, in rows of "
+        "their own marked basis p10 (never mixed with the steady ones).</p>",
     ]
     ordered = sorted(rows, key=lambda r: (r.capacity.workload, r.capacity.unit or ""))
     sections = groupby(ordered, key=lambda r: (r.capacity.workload, r.capacity.unit or ""))
@@ -130,6 +152,7 @@ def _throughput(rows: Sequence[ThroughputRow]) -> list[str]:
                     "optimization",
                     "size",
                     "scope",
+                    "basis",
                     "median",
                     "p10",
                     "peak",
@@ -154,6 +177,7 @@ def _throughput_cells(row: ThroughputRow) -> list[object]:
         c.optimization,
         c.size or "-",
         SCOPE_SHOWN.get(c.scope, c.scope),
+        BASIS_SHOWN.get(c.basis, c.basis),
         human(c.median, c.unit),
         human(c.p10, c.unit),
         _maybe(row.peak, c.unit),
@@ -341,8 +365,12 @@ def _methods(data: FleetData) -> list[str]:
     outcomes = ", ".join(f"{n} {name}" for name, n in sorted(data.outcomes.items())) or "none"
     parts = [
         '<section id="methods"><h2>Methods</h2>',
-        f"<p>Runs in the period, by outcome: {_e(outcomes)}. Only analysed ok runs with a steady "
-        "state count as results.</p>",
+        f"<p>Runs in the period, by outcome: {_e(outcomes)}. Every analysed ok run counts as a "
+        "result: on its steady value where it has a steady state, else on its 10th percentile "
+        "over one-second windows (the p10 basis: what a run that never settled delivered), the "
+        "two never in one row. Runs that failed, timed out, were preempted or aborted, and ok "
+        "runs too short to judge or without a figure, are left out, and counted at the top of "
+        "the page. Skipped and unsupported probes never ran.</p>",
         "<p>Each probe runs a workload for a fixed time and records every iteration. The steady "
         "state is decided per run: outliers are set aside by Barrett et al.'s rule, change "
         "points in the mean are found by PELT on the series in units of its noise, and the "

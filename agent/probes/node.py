@@ -143,9 +143,9 @@ def _spread(  # noqa: PLR0917 - an iteration, its reach, and the grid
 
 
 def figures(runs: Sequence[Mapping[str, Any]]) -> tuple[list[float], str] | None:
-    """The figures a coupling ratio compares, the same statistic of every run: the steady mean
+    """The figures a coupling ratio compares, the same statistic of every run: the steady figure
     where all of them found a steady state, else the median of their one-second windows (what
-    they delivered); None where not every run has either. Never a steady mean against a
+    they delivered); None where not every run has either. Never a steady figure against a
     median: under load the two differ by more than the loss being measured."""
     for name in ("steady", "p50"):
         values = [run.get(f"{name}_throughput") for run in runs]

@@ -23,7 +23,7 @@ import time
 import uuid
 from collections import Counter, deque
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Protocol
@@ -56,6 +56,7 @@ from agent.probes.runner import (
     Watch,
     skipped,
 )
+from agent.probes.status import LatestRun, ProbeKey, ProbeResult, ProbeStatus
 from agent.telemetry.sampler import SamplerLoop
 from agent.telemetry.store import TelemetryStore
 from collectors.base import Sample
@@ -100,34 +101,6 @@ class StackSource(Protocol):
     def after_run(self, run: ProbeRun) -> str: ...
 
 
-ProbeKey = tuple[str, str, str, str, str]  # workload, precision, optimization, device, uuid
-
-
-@dataclass(frozen=True, slots=True)
-class ProbeResult:
-    """The latest analysed result of one probe, for the exporter."""
-
-    unit: str
-    work_unit: str
-    analysis: RunAnalysis
-    latency_seconds: dict[str, float] = field(default_factory=dict)  # p50, p90, p99 (inference)
-    size: str = "default"  # the size the plan asked for (a coupling compares the same size)
-
-
-@dataclass(frozen=True, slots=True)
-class ProbeStatus:
-    """What the exporter shows of probing."""
-
-    runs: dict[tuple[str, str, str, str, str, str], int]  # ProbeKey + outcome
-    last_run: dict[ProbeKey, float]
-    running: dict[tuple[str, str], bool]
-    duty_used: dict[tuple[str, str], float]
-    results: dict[ProbeKey, ProbeResult]
-    # Node-wide runs: each device's result and the node's (device "node"), and their coupling.
-    node_results: dict[ProbeKey, ProbeResult] = field(default_factory=dict)
-    coupling: dict[ProbeKey, Coupling] = field(default_factory=dict)
-
-
 def _device_labels(device: ProbeDevice) -> tuple[str, str]:
     if device.key == NODE:
         return NODE, ""
@@ -169,6 +142,7 @@ class ProbeScheduler:
         self._runs: Counter[tuple[str, str, str, str, str, str]] = Counter()
         self._last_run: dict[ProbeKey, float] = {}
         self._results: dict[ProbeKey, ProbeResult] = {}
+        self._latest: dict[ProbeKey, LatestRun] = {}
         self._node_results: dict[ProbeKey, ProbeResult] = {}
         self._coupling: dict[ProbeKey, Coupling] = {}
         self._running: dict[tuple[str, str], bool] = {}
@@ -715,10 +689,11 @@ class ProbeScheduler:
         results = self._results if spec.scope == "device" else self._node_results
         with self._lock:
             self._runs[(*key, run.outcome)] += 1
+            result = None
             if analysis is not None:
                 manifest = run.manifest or {}
                 latency = (run.result or {}).get("latency_seconds") or {}
-                results[key] = ProbeResult(
+                result = results[key] = ProbeResult(
                     unit=str(manifest.get("unit", "")),
                     work_unit=str(manifest.get("work_unit", "")),
                     analysis=analysis,
@@ -730,6 +705,10 @@ class ProbeScheduler:
                     size=spec.size or "default",
                 )
             if run.outcome != "skipped":
+                if spec.scope == "device":
+                    self._latest[key] = LatestRun(
+                        run.outcome, run.reason, run.started_at, run.ended_at, result
+                    )
                 self._last_run[key] = run.ended_at
                 history = self._history.setdefault(spec.device.key, deque())
                 history.append((run.started_at, run.ended_at))
@@ -755,6 +734,8 @@ class ProbeScheduler:
                 if key not in self._results:
                     self._results[key] = result
                     self._last_run.setdefault(key, ended_at)
+                    # Its start is not kept with it: what the page shows is its end.
+                    self._latest.setdefault(key, LatestRun("ok", "", ended_at, ended_at, result))
                     restored += 1
         return restored
 
@@ -771,6 +752,7 @@ class ProbeScheduler:
             runs = dict(self._runs)
             last_run = dict(self._last_run)
             results = dict(self._results)
+            latest = dict(self._latest)
             node_results = dict(self._node_results)
             coupling = dict(self._coupling)
         duty = {}
@@ -785,4 +767,5 @@ class ProbeScheduler:
             results=results,
             node_results=node_results,
             coupling=coupling,
+            latest=latest,
         )

@@ -12,15 +12,24 @@ mixed: a small problem runs below the device's sustained rate, so each size is a
 device of its node works, as production runs them, and the node-wide figure beside the solo one
 is what a planner should plan with; the node's sum (``node_total``) is a group of its own too.
 
+Every run counts (issue 23): the figure is what the runs delivered. An ok run the analysis found
+never settled (``no_steady_state``) has no steady value, but its p10 over one-second windows says
+what it delivered; it counts on that, its **basis** (``BASES``): ``steady`` or ``p10``. The two
+are never mixed in one row (a mean of a steady regime is not a percentile of windows), so a group
+with runs of both has a row of each. The runs that gave no figure are left out, and counted by
+why (``LEFT_OUT_REASONS``; agent.archive.models says which runs are which): every answer says how
+many runs it rests on, on which basis, and how many it leaves out (``RunsCounted``).
+
 The percentiles are those of numpy's default and of PostgreSQL's ``percentile_cont``: linear
 interpolation between the two nearest ranks. A fleet's archive holds millions of results, so no
 query here reads them all into Python or sorts them all: the counts come from one row per device
 and group (``_summaries``), PostgreSQL computes the percentiles with ``percentile_cont``, and
 SQLite, which has no percentile function, reads the two values around each rank from an index in
 value order (``_quantiles_by_rank``). The partial covering indexes ``ix_probe_runs_results_by_*``
-(``agent.archive.models``) are what keep a query over a million results near a second
-(``bench/capacity.py``); reading the values into Python and numpy, one group at a time, took
-ten.
+and ``ix_probe_runs_p10_results_by_*`` (``agent.archive.models``) are what keep a query over a
+million results near a second (``bench/capacity.py``); reading the values into Python and numpy,
+one group at a time, took ten. The runs left out are counted from ``ix_probe_runs_left_out``,
+which holds them alone.
 """
 
 from __future__ import annotations
@@ -28,10 +37,9 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
-from itertools import groupby
-from typing import Any
+from typing import Any, TypeAlias
 
 from sqlalchemy import (
     ColumnElement,
@@ -39,11 +47,14 @@ from sqlalchemy import (
     Engine,
     Float,
     String,
+    TableClause,
+    TextClause,
     bindparam,
     column,
     func,
     select,
     table,
+    text,
 )
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.sql.expression import UnaryExpression
@@ -51,15 +62,18 @@ from sqlalchemy.sql.operators import custom_op
 
 from agent.archive import summary
 from agent.archive.database import archive_error
-from agent.archive.models import RESULT_GROUP, UTCDateTime
+from agent.archive.models import (
+    LEFT_OUT_WHERE,
+    P10_RESULTS_WHERE,
+    RESULT_GROUP,
+    RUN_FILTERS,
+    UTCDateTime,
+)
 from agent.reports.specs import spec_peak
 
 GROUPINGS = ("model", "node", "stack")
 
-# The view of migration 0005 (ok runs with a steady value), described for queries only: the
-# models map tables, and a view must not be created by ``create_all`` or autogenerate.
-probe_results = table(
-    "probe_results",
+_COLUMNS = (
     column("node", String),
     column("device", String),
     column("device_model", String),
@@ -71,17 +85,38 @@ probe_results = table(
     column("scope", String),
     column("unit", String),
     column("ended_at", UTCDateTime()),
-    column("steady_throughput", Float),
+)
+# The view of migration 0005 (ok runs with a steady value), described for queries only: the
+# models map tables, and a view must not be created by ``create_all`` or autogenerate.
+probe_results = table("probe_results", *_COLUMNS, column("steady_throughput", Float))
+# The runs themselves, for the p10 basis and the runs left out: a query names their rows with
+# the condition of their partial indexes (agent.archive.models), so that both databases read
+# the index and never the table.
+probe_runs = table(
+    "probe_runs",
+    *(column(c.name, c.type) for c in _COLUMNS),
+    column("p10_throughput", Float),
+    column("outcome", String),
+    column("classification", String),
+    column("started_at", UTCDateTime()),
 )
 _GROUP_COLUMN = {"model": "device_model", "node": "node", "stack": "stack_id"}
 # Columns of RESULT_GROUP that runs archived before they were recorded leave NULL.
 _NULLABLE = frozenset({"unit", "size"})
-FILTERS = ("precision", "workload", "optimization", "size", "scope")
 
 SCOPES = ("device", "node", "node_total")
 """A run's scope (``probe_runs.scope``), in the order the rows of one group and size are shown:
 solo, then each device within a node-wide run, then the node-wide run's sum over the node."""
 SCOPE_SHOWN = {"device": "solo", "node": "node-wide", "node_total": "node-total"}
+
+BASES = ("steady", "p10")
+"""What a row's runs count on, in the order rows are shown: their steady value, or (runs with no
+steady state) their p10 over one-second windows."""
+
+LEFT_OUT_REASONS = ("failed", "timeout", "preempted", "aborted", "insufficient", "no_figure")
+"""Why a run that could have given a figure gave none: its outcome, or for an ok run its
+classification ``insufficient`` (too short to judge), else ``no_figure`` (not analysed, or too
+short for three one-second windows)."""
 
 STREAM_CHUNK = 20_000
 """Summary rows fetched at a time (through a server-side cursor on PostgreSQL)."""
@@ -91,14 +126,16 @@ QUANTILES = (0.5, 0.1)
 
 @dataclass(frozen=True, slots=True)
 class CapacityRow:
-    """One group's sustained throughput for one (workload, precision, optimization, size, unit).
+    """One group's sustained throughput for one (workload, precision, optimization, size, unit)
+    and basis.
 
     ``group`` is the device model, node or stack id (None where the runs did not record it:
     runs archived before stacks and models were); ``size`` the problem size (None for runs
     archived without it); ``scope`` one of SCOPES (runs archived before node-wide runs are
-    ``device``). ``median`` and ``p10`` are in ``unit``. ``spec_ratio`` is ``median`` over the
-    model's published peak; None where the peak is not known, the group mixes models (a node or
-    a stack may span several) or the figures are a node's sum (the peak is a device's).
+    ``device``); ``basis`` one of BASES. ``median`` and ``p10`` are in ``unit``, over the runs'
+    steady values or (basis ``p10``) their p10s. ``spec_ratio`` is ``median`` over the model's
+    published peak; None where the peak is not known, the group mixes models (a node or a stack
+    may span several) or the figures are a node's sum (the peak is a device's).
     """
 
     group: str | None
@@ -107,12 +144,50 @@ class CapacityRow:
     optimization: str
     size: str | None
     scope: str
+    basis: str
     unit: str | None
     median: float
     p10: float
     results: int
     devices: int
     spec_ratio: float | None
+
+
+@dataclass(frozen=True, slots=True)
+class RunsCounted:
+    """The runs an answer rests on, by basis, and those it leaves out, by reason."""
+
+    steady: int
+    p10: int
+    left_out: dict[str, int]
+    """Every reason of LEFT_OUT_REASONS, in that order, with its runs (0 for none)."""
+
+    @property
+    def used(self) -> int:
+        return self.steady + self.p10
+
+    @property
+    def left_out_total(self) -> int:
+        return sum(self.left_out.values())
+
+    def as_json(self) -> dict[str, Any]:
+        return {"used": {"steady": self.steady, "p10": self.p10}, "left_out": dict(self.left_out)}
+
+
+@dataclass(frozen=True, slots=True)
+class Capacity:
+    """The rows of an answer and the runs behind it, read in one transaction."""
+
+    rows: list[CapacityRow]
+    runs: RunsCounted
+
+
+def left_out_reason(outcome: str, classification: str | None) -> str:
+    """Why a run left out (a run of ``LEFT_OUT_WHERE``) gave no figure: one of
+    LEFT_OUT_REASONS (agent.archive.summary says the same in SQL)."""
+    if outcome != "ok":
+        return outcome
+    return "insufficient" if classification == "insufficient" else "no_figure"
 
 
 def capacity(
@@ -127,20 +202,8 @@ def capacity(
     since: datetime | None = None,
 ) -> list[CapacityRow]:
     """Sustained throughput per group, sorted by (workload, precision, optimization, unit,
-    group, size, scope in the order of SCOPES).
-
-    ``since`` keeps the runs that ended at or after it (an aware datetime). Raises ValueError for
-    an unknown ``by`` or ``scope`` and ArchiveError when the database cannot be read.
-
-    Two queries: one row per device (``_summaries``: results, devices, models), then the
-    quantiles of each group; both in one transaction, so that they count the same results.
-    """
-    if by not in GROUPINGS:
-        raise ValueError(f"cannot group by {by!r}: expected one of {', '.join(GROUPINGS)}")
-    if scope is not None and scope not in SCOPES:
-        raise ValueError(f"no scope {scope!r}: expected one of {', '.join(SCOPES)}")
-    if since is not None and since.tzinfo is None:
-        raise ValueError(f"naive datetime {since.isoformat()} for since (expected UTC)")
+    basis in the order of BASES, group, size, scope in the order of SCOPES): the rows of
+    ``capacity_with_runs``, without counting the runs left out."""
     filters = {
         "precision": precision,
         "workload": workload,
@@ -148,30 +211,120 @@ def capacity(
         "size": size,
         "scope": scope,
     }
+    return _capacity(engine, by, filters, since, left_out=False).rows
+
+
+def capacity_with_runs(
+    engine: Engine,
+    *,
+    by: str = "model",
+    precision: str | None = None,
+    workload: str | None = None,
+    optimization: str | None = None,
+    size: str | None = None,
+    scope: str | None = None,
+    since: datetime | None = None,
+) -> Capacity:
+    """Sustained throughput per group (as ``capacity``), and the runs behind it: how many on
+    each basis, and how many of the runs matching the same filters were left out, by reason.
+
+    ``since`` keeps the runs that ended at or after it (an aware datetime; an aborted run, whose
+    end was never recorded, by its start). Raises ValueError for an unknown ``by`` or ``scope``
+    and ArchiveError when the database cannot be read.
+    """
+    filters = {
+        "precision": precision,
+        "workload": workload,
+        "optimization": optimization,
+        "size": size,
+        "scope": scope,
+    }
+    return _capacity(engine, by, filters, since, left_out=True)
+
+
+Condition: TypeAlias = ColumnElement[bool] | TextClause
+"""A term of a WHERE clause: a comparison, or the condition of a partial index as its SQL."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Source:
+    """Where the results of one basis are: a relation with the group columns, the column of the
+    figure, and the condition that names the basis's rows there (none for the view)."""
+
+    basis: str
+    relation: TableClause
+    value: str
+    where: tuple[Condition, ...]
+
+    def column(self, name: str) -> ColumnElement[Any]:
+        return self.relation.c[name]
+
+
+SOURCES = {
+    "steady": _Source("steady", probe_results, "steady_throughput", ()),
+    "p10": _Source("p10", probe_runs, "p10_throughput", (P10_RESULTS_WHERE,)),
+}
+
+
+def _capacity(
+    engine: Engine,
+    by: str,
+    filters: dict[str, str | None],
+    since: datetime | None,
+    *,
+    left_out: bool,
+) -> Capacity:
+    """Per basis, two queries: one row per device (``_summaries``: results, devices, models),
+    then the quantiles of each group; then the runs left out. All in one transaction, so that
+    they count the same runs."""
+    if by not in GROUPINGS:
+        raise ValueError(f"cannot group by {by!r}: expected one of {', '.join(GROUPINGS)}")
+    scope = filters.get("scope")
+    if scope is not None and scope not in SCOPES:
+        raise ValueError(f"no scope {scope!r}: expected one of {', '.join(SCOPES)}")
+    if since is not None and since.tzinfo is None:
+        raise ValueError(f"naive datetime {since.isoformat()} for since (expected UTC)")
+    rows: list[CapacityRow] = []
+    reasons = dict.fromkeys(LEFT_OUT_REASONS, 0)
     try:
         with engine.connect() as connection:
             postgresql = connection.dialect.name == "postgresql"
             if postgresql:
                 # SQLite's transaction sees one snapshot; PostgreSQL's default, one per query.
                 connection.execution_options(isolation_level="REPEATABLE READ")
-            conditions = _conditions(filters, since, sqlite=not postgresql)
-            if postgresql and by in summary.GROUPINGS and _summarised(connection):
-                groups, quantiles = _from_summary(connection, by, filters, since)
-            else:
-                groups = _summaries(connection, by, conditions)
-                if postgresql:
-                    quantiles = _quantiles_in_sql(connection, by, conditions)
+            summarised = postgresql and _summarised(connection)
+            for source in SOURCES.values():
+                if summarised and by in summary.GROUPINGS:
+                    groups, quantiles = _from_summary(connection, source, by, filters, since)
                 else:
-                    quantiles = _quantiles_by_rank(connection, by, since, groups)
-            rows = [
-                _row(key, group, quantiles[key])
-                for key, group in groups.items()
-                if key in quantiles
-            ]
+                    conditions = _conditions(source, filters, since, sqlite=not postgresql)
+                    groups = _summaries(connection, source, by, conditions)
+                    if postgresql:
+                        quantiles = _quantiles_in_sql(connection, source, by, conditions)
+                    else:
+                        quantiles = _quantiles_by_rank(connection, source, by, since, groups)
+                rows += [
+                    _row(key, group, quantiles[key], source.basis)
+                    for key, group in groups.items()
+                    if key in quantiles
+                ]
+            if left_out:
+                found = (
+                    _left_out_from_summary(connection, filters, since)
+                    if summarised
+                    else _left_out_in_runs(connection, filters, since, sqlite=not postgresql)
+                )
+                for reason, runs in found:
+                    reasons[reason] += runs
     except SQLAlchemyError as exc:
         raise archive_error("query", engine, exc) from exc
     rows.sort(key=_order)
-    return rows
+    counted = RunsCounted(
+        steady=sum(row.results for row in rows if row.basis == "steady"),
+        p10=sum(row.results for row in rows if row.basis == "p10"),
+        left_out=reasons,
+    )
+    return Capacity(rows, counted)
 
 
 @dataclass(frozen=True, slots=True)
@@ -179,39 +332,47 @@ class ResultsOverview:
     """What the archive's results could have matched: for saying why a query found none."""
 
     newest: datetime | None
-    """When the newest result ended; None where the archive has no result at all."""
+    """When the newest result (of either basis) ended; None where the archive has none."""
     known: dict[str, list[str]]
     """Each filter asked about, with its values among all the results, sorted."""
 
 
 def overview(engine: Engine, filters: Iterable[str]) -> ResultsOverview:
-    """The newest result's end, and the known values of ``filters`` (names in FILTERS).
+    """The newest result's end, and the known values of ``filters`` (names in RUN_FILTERS), over the
+    results of both bases.
 
     For a query that found nothing: each DISTINCT reads a whole index.
     """
-    c = probe_results.c
     names = list(filters)
-    if unknown := [name for name in names if name not in FILTERS]:
+    if unknown := [name for name in names if name not in RUN_FILTERS]:
         raise ValueError(f"cannot list the values of {', '.join(unknown)}")
+    ends: list[datetime] = []
+    known: dict[str, set[str]] = {name: set() for name in names}
     try:
         with engine.connect() as connection:
-            newest = connection.execute(select(func.max(c.ended_at))).scalar()
-            known = {
-                name: sorted(
-                    connection.execute(select(c[name]).where(c[name].is_not(None)).distinct())
-                    .scalars()
-                    .all()
-                )
-                for name in names
-            }
+            for source in SOURCES.values():
+                ended = source.column("ended_at")
+                newest = connection.execute(select(func.max(ended)).where(*source.where)).scalar()
+                if newest is not None:
+                    ends.append(newest)
+                for name in names:
+                    values = source.column(name)
+                    query = select(values).where(*source.where, values.is_not(None)).distinct()
+                    known[name].update(connection.execute(query).scalars())
     except SQLAlchemyError as exc:
         raise archive_error("query", engine, exc) from exc
-    return ResultsOverview(newest, known)
+    return ResultsOverview(max(ends, default=None), {n: sorted(v) for n, v in known.items()})
+
+
+def _section(row: CapacityRow) -> tuple[object, ...]:
+    """What one section of the table measured: a probe and the unit of its figures."""
+    return (row.workload, row.precision, row.optimization, row.unit is None, row.unit or "")
 
 
 def _order(row: CapacityRow) -> tuple[object, ...]:
     return (
         *_section(row),
+        BASES.index(row.basis) if row.basis in BASES else len(BASES),
         row.group is None,
         row.group or "",
         row.size is None,
@@ -232,17 +393,29 @@ def _unindexed(column: ColumnElement[Any]) -> ColumnElement[Any]:
     return UnaryExpression(column, operator=custom_op("+"), type_=column.type)
 
 
-def _conditions(
-    filters: dict[str, str | None], since: datetime | None, *, sqlite: bool
+def _filters(
+    relation: TableClause, filters: dict[str, str | None], *, sqlite: bool
 ) -> list[ColumnElement[bool]]:
-    c = probe_results.c
     conditions: list[ColumnElement[bool]] = []
     for name, value in filters.items():
         if value is not None:
-            column = c[name] if name == "precision" or not sqlite else _unindexed(c[name])
-            conditions.append(column == value)
+            column = relation.c[name]
+            conditions.append(
+                (column if name == "precision" or not sqlite else _unindexed(column)) == value
+            )
+    return conditions
+
+
+def _conditions(
+    source: _Source, filters: dict[str, str | None], since: datetime | None, *, sqlite: bool
+) -> list[Condition]:
+    conditions: list[Condition] = [
+        *source.where,
+        *_filters(source.relation, filters, sqlite=sqlite),
+    ]
     if since is not None:
-        conditions.append((_unindexed(c.ended_at) if sqlite else c.ended_at) >= since)
+        ended = source.column("ended_at")
+        conditions.append((_unindexed(ended) if sqlite else ended) >= since)
     return conditions
 
 
@@ -259,13 +432,12 @@ class _Group:
     """The number of devices where it is known without them (the summary's)."""
 
 
-def _keys(by: str) -> list[ColumnElement[Any]]:
-    c = probe_results.c
-    return [*(c[name] for name in RESULT_GROUP), c[_GROUP_COLUMN[by]]]
+def _keys(source: _Source, by: str) -> list[ColumnElement[Any]]:
+    return [*(source.column(name) for name in RESULT_GROUP), source.column(_GROUP_COLUMN[by])]
 
 
 def _summaries(
-    connection: Connection, by: str, conditions: list[ColumnElement[bool]]
+    connection: Connection, source: _Source, by: str, conditions: list[Condition]
 ) -> dict[Key, _Group]:
     """Results, devices and models of every group, from one row per device (and stack).
 
@@ -278,7 +450,7 @@ def _summaries(
     names = [*RESULT_GROUP, "node", "device", "device_model"]
     if by == "stack":
         names.append("stack_id")
-    columns = [probe_results.c[name] for name in names]
+    columns = [source.column(name) for name in names]
     query = select(*columns, func.count()).where(*conditions).group_by(*columns)
     width = len(RESULT_GROUP)
     position = names.index(_GROUP_COLUMN[by])
@@ -297,15 +469,15 @@ def _summaries(
 
 
 def _quantiles_in_sql(
-    connection: Connection, by: str, conditions: list[ColumnElement[bool]]
+    connection: Connection, source: _Source, by: str, conditions: list[Condition]
 ) -> dict[Key, tuple[float, float]]:
     """PostgreSQL: ``percentile_cont`` per group, over an index in group order."""
-    steady = probe_results.c.steady_throughput
-    keys = _keys(by)
+    value = source.column(source.value)
+    keys = _keys(source, by)
     query = (
         select(
             *keys,
-            *(func.percentile_cont(quantile).within_group(steady) for quantile in QUANTILES),
+            *(func.percentile_cont(quantile).within_group(value) for quantile in QUANTILES),
         )
         .where(*conditions)
         .group_by(*keys)
@@ -318,7 +490,11 @@ def _quantiles_in_sql(
 
 
 def _quantiles_by_rank(
-    connection: Connection, by: str, since: datetime | None, groups: dict[Key, _Group]
+    connection: Connection,
+    source: _Source,
+    by: str,
+    since: datetime | None,
+    groups: dict[Key, _Group],
 ) -> dict[Key, tuple[float, float]]:
     """SQLite: the two values around each quantile's rank, read with ORDER BY ... OFFSET.
 
@@ -329,24 +505,21 @@ def _quantiles_by_rank(
     (a few GPUs each) are small enough to sort. The group sizes come from the summaries, read in
     the same transaction.
     """
-    c = probe_results.c
     names = (*RESULT_GROUP, "group")
     # The group may be NULL as well (runs archived before models and stacks were recorded).
-    conditions = [
-        column.is_not_distinct_from(bindparam(name))
-        if name in _NULLABLE or name == "group"
-        else column == bindparam(name)
-        for column, name in zip(_keys(by), names, strict=True)
+    conditions: list[Condition] = [
+        *source.where,
+        *(
+            column.is_not_distinct_from(bindparam(name))
+            if name in _NULLABLE or name == "group"
+            else column == bindparam(name)
+            for column, name in zip(_keys(source, by), names, strict=True)
+        ),
     ]
     if since is not None:
-        conditions.append(_unindexed(c.ended_at) >= since)
-    query = (
-        select(c.steady_throughput)
-        .where(*conditions)
-        .order_by(c.steady_throughput)
-        .limit(2)
-        .offset(bindparam("rank"))
-    )
+        conditions.append(_unindexed(source.column("ended_at")) >= since)
+    value = source.column(source.value)
+    query = select(value).where(*conditions).order_by(value).limit(2).offset(bindparam("rank"))
     quantiles: dict[Key, tuple[float, float]] = {}
     for key, group in groups.items():
         parameters = dict(zip(names, key, strict=True))
@@ -363,9 +536,29 @@ def _quantiles_by_rank(
     return quantiles
 
 
+def _left_out_in_runs(
+    connection: Connection, filters: dict[str, str | None], since: datetime | None, *, sqlite: bool
+) -> list[tuple[str, int]]:
+    """The runs left out, per reason: counted from ``ix_probe_runs_left_out``, in its order (one
+    row per probe, outcome and classification comes back)."""
+    keys = [probe_runs.c[name] for name in (*RUN_FILTERS, "outcome", "classification")]
+    conditions: list[Condition] = [LEFT_OUT_WHERE, *_filters(probe_runs, filters, sqlite=sqlite)]
+    if since is not None:
+        ended = func.coalesce(probe_runs.c.ended_at, probe_runs.c.started_at, type_=UTCDateTime())
+        conditions.append(ended >= since)
+    query = select(*keys, func.count()).where(*conditions).group_by(*keys)
+    return [
+        (left_out_reason(outcome, classification), int(runs))
+        for *_, outcome, classification, runs in connection.execute(query)
+    ]
+
+
 def _summarised(connection: Connection) -> bool:
-    """Whether the database keeps the daily summary (PostgreSQL since migration 0010)."""
-    found = connection.exec_driver_sql("SELECT to_regclass('probe_result_days')").scalar()
+    """Whether the database keeps the summary of both bases and of the runs left out
+    (PostgreSQL since migration 0011)."""
+    found = connection.execute(
+        text("SELECT to_regclass(:name)"), {"name": summary.LEFT_OUT_TABLE}
+    ).scalar()
     return found is not None
 
 
@@ -381,8 +574,28 @@ def _key(names: Sequence[Any], group: str) -> Key:
     return (*values, _unblank(group))
 
 
+def _summary_parameters(
+    filters: dict[str, str | None], since: datetime | None
+) -> tuple[dict[str, str], dict[str, Any]]:
+    """The filters asked about, and the parameters of the summary's queries."""
+    wanted = {name: value for name, value in filters.items() if value is not None}
+    parameters: dict[str, Any] = dict(wanted)
+    if since is not None:
+        first_day = since.astimezone(UTC).date()
+        parameters |= {
+            "since": since,
+            "first_day": first_day,
+            "next_day": datetime.combine(first_day + timedelta(days=1), datetime.min.time(), UTC),
+        }
+    return wanted, parameters
+
+
 def _from_summary(
-    connection: Connection, by: str, filters: dict[str, str | None], since: datetime | None
+    connection: Connection,
+    source: _Source,
+    by: str,
+    filters: dict[str, str | None],
+    since: datetime | None,
 ) -> tuple[dict[Key, _Group], dict[Key, tuple[float, float]]]:
     """PostgreSQL at fleet scale: the counts from the daily summary (agent.archive.summary),
     each quantile's exact value read from the results of the one bucket that holds its rank.
@@ -391,23 +604,16 @@ def _from_summary(
     from the results (one day at most). The answer is that of ``_summaries`` and
     ``_quantiles_in_sql`` over the same results (tests/test_fleet_scale.py compares them).
     """
-    wanted = {name: value for name, value in filters.items() if value is not None}
-    parameters: dict[str, Any] = {"grouping": by, **wanted}
-    if since is not None:
-        first_day = since.astimezone(UTC).date()
-        parameters |= {
-            "since": since,
-            "first_day": first_day,
-            "next_day": datetime.combine(first_day + timedelta(days=1), datetime.min.time(), UTC),
-        }
+    wanted, parameters = _summary_parameters(filters, since)
+    parameters["grouping"] = by
     buckets: dict[Key, dict[int, int]] = {}
-    query = summary.counts_query(by, list(wanted), since=since is not None)
+    query = summary.counts_query(by, source.basis, list(wanted), since=since is not None)
     for row in connection.execute(query, parameters):
         *names, group, bucket, count = row
         counts = buckets.setdefault(_key(names, group), {})
         counts[bucket] = counts.get(bucket, 0) + int(count)
     groups: dict[Key, _Group] = {}
-    query = summary.devices_query(list(wanted), since=since is not None)
+    query = summary.devices_query(source.basis, list(wanted), since=since is not None)
     for row in connection.execute(query, parameters):
         *names, group, devices, low, high = row
         key = _key(names, group)
@@ -417,7 +623,17 @@ def _from_summary(
         found = _Group(results=results, device_count=int(devices))
         found.models = {_unblank(low), _unblank(high)}
         groups[key] = found
-    return groups, _quantiles_in_buckets(connection, by, groups, buckets, since)
+    return groups, _quantiles_in_buckets(connection, source, by, groups, buckets, since=since)
+
+
+def _left_out_from_summary(
+    connection: Connection, filters: dict[str, str | None], since: datetime | None
+) -> list[tuple[str, int]]:
+    """PostgreSQL at fleet scale: the runs left out from the summary's per-day counts (and the
+    rest of ``since``'s own day from the runs)."""
+    wanted, parameters = _summary_parameters(filters, since)
+    query = summary.left_out_query(list(wanted), since=since is not None)
+    return [(str(reason), int(runs)) for reason, runs in connection.execute(query, parameters)]
 
 
 RANK_BATCH = 100
@@ -426,9 +642,11 @@ RANK_BATCH = 100
 
 def _quantiles_in_buckets(
     connection: Connection,
+    source: _Source,
     by: str,
     groups: dict[Key, _Group],
     buckets: dict[Key, dict[int, int]],
+    *,
     since: datetime | None,
 ) -> dict[Key, tuple[float, float]]:
     """Each group's quantiles: for each, the bucket that holds its rank (from the counts), then
@@ -459,7 +677,9 @@ def _quantiles_in_buckets(
                 key, _, found = lookups[index]
                 parameters |= {f"l{j}_i": index, f"l{j}_b": found["b"], f"l{j}_o": found["o"]}
                 parameters |= {f"l{j}_k{i}": v for i, v in enumerate(key) if v is not None}
-            query = summary.rank_query(by, list(nulls), len(batch), since=since is not None)
+            query = summary.rank_query(
+                by, source.basis, list(nulls), len(batch), since=since is not None
+            )
             for index, value in connection.execute(query, parameters):
                 values.setdefault(index, []).append(value)
     quantiles: dict[Key, list[float]] = {}
@@ -487,7 +707,7 @@ def _lerp(low: float, high: float, fraction: float) -> float:
     return float(low + difference * fraction)
 
 
-def _row(key: Key, group: _Group, quantiles: tuple[float, float]) -> CapacityRow:
+def _row(key: Key, group: _Group, quantiles: tuple[float, float], basis: str) -> CapacityRow:
     measured = dict(zip(RESULT_GROUP, key[:-1], strict=True))
     median, p10 = quantiles
     model = next(iter(group.models)) if len(group.models) == 1 else None
@@ -497,6 +717,7 @@ def _row(key: Key, group: _Group, quantiles: tuple[float, float]) -> CapacityRow
     return CapacityRow(
         group=key[-1],
         **measured,
+        basis=basis,
         median=median,
         p10=p10,
         results=group.results,
@@ -539,140 +760,3 @@ def parse_since(text: str, now: datetime) -> datetime:
     if when > now:
         raise ValueError(f"--since {text!r} is in the future")
     return when
-
-
-# Output
-
-_PREFIXES = {-3: "n", -2: "µ", -1: "m", 0: "", 1: "k", 2: "M", 3: "G", 4: "T", 5: "P", 6: "E"}
-
-
-def _scaled(value: float) -> tuple[str, str]:
-    """Four significant digits and the SI prefix that goes with them: ``("812.3", "T")``."""
-    if value == 0 or not math.isfinite(value):
-        return f"{value:g}", ""
-    power = max(min(math.floor(math.log10(abs(value)) / 3), 6), -3)
-    scaled = value / 1000.0**power
-    if round(abs(scaled), 1) >= 1000 and power < 6:  # 999.96 would print as 1000.0
-        power += 1
-        scaled = value / 1000.0**power
-    size = abs(scaled)
-    digits = 1 if round(size, 2) >= 100 else 2 if round(size, 3) >= 10 else 3
-    return f"{scaled:.{digits}f}", _PREFIXES[power]
-
-
-def human(value: float, unit: str | None) -> str:
-    """``812.3 TFLOP/s``: four significant digits and an SI prefix on the unit."""
-    number, prefix = _scaled(value)
-    return f"{number} {prefix}{unit or ''}".rstrip()
-
-
-def _figure(value: float) -> str:
-    """A table cell of a section whose heading gives the unit: ``812.3 T``, ``12.50  `` (a blank
-    where the prefix would be, so that the digits line up)."""
-    number, prefix = _scaled(value)
-    return f"{number} {prefix or ' '}"
-
-
-STACK_ID_SHOWN = 12
-"""Characters of a stack id in the table (a SHA-256: as unique as a short git hash)."""
-
-TABLE_WIDTH = 80
-"""The width the table fits when the caller knows none (no terminal)."""
-
-# The columns after the group's (model, node or stack), as in ``_cells``; the first ``_LEFT``
-# columns, the group's included, are words (left-aligned), the others numbers.
-_HEADER = ("SIZE", "SCOPE", "MEDIAN", "P10", "SPEC", "RESULTS", "DEVICES")
-_LEFT = 3
-_GROUP_ROOM = 12
-"""The narrowest group column worth a table: below it, a block per row."""
-
-
-def _section(row: CapacityRow) -> tuple[object, ...]:
-    """What one section of the table measured: a probe and the unit of its figures."""
-    return (row.workload, row.precision, row.optimization, row.unit is None, row.unit or "")
-
-
-def _heading(row: CapacityRow) -> str:
-    unit = row.unit or "unit not recorded"
-    return f"{row.workload} {row.precision} {row.optimization} ({unit})"
-
-
-def _cells(row: CapacityRow, by: str, *, units: bool = False) -> tuple[str, ...]:
-    """The row's cells: figures with their prefix only (``units``: and with the unit)."""
-    group = row.group if row.group is not None else "-"
-    if by == "stack" and row.group is not None:
-        group = group[:STACK_ID_SHOWN]
-
-    def figure(value: float) -> str:
-        return human(value, row.unit) if units else _figure(value)
-
-    return (
-        group,
-        row.size or "-",
-        SCOPE_SHOWN.get(row.scope, row.scope),
-        figure(row.median),
-        figure(row.p10),
-        f"{row.spec_ratio:.1%}" if row.spec_ratio is not None else "-",
-        str(row.results),
-        str(row.devices),
-    )
-
-
-def render_table(rows: Sequence[CapacityRow], by: str = "model", width: int = TABLE_WIDTH) -> str:
-    """A section per probe (workload, precision, optimization, with the unit of its figures in
-    the heading) and in it a line per group, size and scope (SCOPE_SHOWN: solo, node-wide,
-    node-total), numbers right-aligned with an SI prefix.
-
-    Nothing is ever cut to fit ``width``: a group name too long for its column (at 80 columns,
-    over about 21 characters, 16 beside node-wide rows, as many model names are) stands on a
-    line of its own, its figures on the next, as df puts a long file system name; where not even
-    the figures fit, every row becomes a block of one column a line.
-    """
-    if not rows:
-        return "no probe results match"
-    header = (by.upper(), *_HEADER)
-    table = [header, *(_cells(row, by) for row in rows)]
-    widths = [max(len(cells[i]) for cells in table) for i in range(len(header))]
-    room = width - sum(widths[1:]) - 2 * (len(widths) - 1)
-    if room < _GROUP_ROOM:
-        return _blocks(rows, header, by)
-    widths[0] = min(widths[0], room)
-
-    def lines(cells: tuple[str, ...]) -> list[str]:
-        if len(cells[0]) > widths[0]:
-            return [cells[0], *lines(("", *cells[1:]))]
-        return [
-            "  ".join(
-                cell.ljust(size) if i < _LEFT else cell.rjust(size)
-                for i, (cell, size) in enumerate(zip(cells, widths, strict=True))
-            ).rstrip()
-        ]
-
-    return "\n\n".join(
-        "\n".join(
-            [heading, *lines(header), *(line for row in members for line in lines(_cells(row, by)))]
-        )
-        for heading, members in groupby(rows, key=_heading)
-    )
-
-
-def _blocks(rows: Sequence[CapacityRow], header: tuple[str, ...], by: str) -> str:
-    """The vertical layout: under each section's heading, a block per row, a line per column."""
-    pad = max(len(label) for label in header) + 2
-    return "\n\n".join(
-        heading
-        + "\n"
-        + "\n\n".join(
-            "\n".join(
-                f"  {label.ljust(pad)}{value}"
-                for label, value in zip(header, _cells(row, by, units=True), strict=True)
-            )
-            for row in members
-        )
-        for heading, members in groupby(rows, key=_heading)
-    )
-
-
-def rows_as_json(rows: Iterable[CapacityRow]) -> list[dict[str, Any]]:
-    """The rows as JSON objects, with full precision and full stack ids."""
-    return [asdict(row) for row in rows]

@@ -1,11 +1,13 @@
 """The planner's report, as data: what ``sustain report fleet`` puts on its page.
 
 Sustained throughput per model and probe comes from ``agent.reports.capacity`` (the same medians
-and p10 as ``sustain capacity``); the rest are small aggregate queries over the same results and
-the events table: the runs' mean peak and sustained ratio, drift, stack and health events, the
-throttling each device saw, and what was run on which stacks (the methods section). Every query
-aggregates in the database, so a fleet's archive is never read into Python whole; the events are
-capped at ``MAX_EVENTS``, newest kept.
+and p10 as ``sustain capacity``, on the same bases: every ok run counts, on its steady value or,
+without a steady state, on its p10 over one-second windows; and the same count of the runs used
+and left out); the rest are small aggregate queries over the same results and the events table:
+the runs' mean peak and sustained ratio, drift, stack and health events, the throttling each
+device saw, and what was run on which stacks (the methods section). Every query aggregates in the
+database, so a fleet's archive is never read into Python whole; the events are capped at
+``MAX_EVENTS``, newest kept.
 """
 
 from __future__ import annotations
@@ -17,17 +19,18 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import ColumnElement, Engine, and_, func, select, true
+from sqlalchemy import ColumnElement, Engine, and_, case, func, or_, select, true
 from sqlalchemy.exc import SQLAlchemyError
 
 from agent.archive.database import archive_error
 from agent.archive.models import (
+    P10_RESULTS_WHERE,
     RESULTS_WHERE,
     EventRecord,
     ProbeRunRecord,
     StackSnapshotRecord,
 )
-from agent.reports.capacity import CapacityRow, capacity
+from agent.reports.capacity import CapacityRow, RunsCounted, capacity_with_runs
 from agent.reports.specs import spec_peak
 
 TIMELINE_KINDS = ("drift", "stack_changed", "health_change")
@@ -37,7 +40,8 @@ MAX_EPISODES = 20_000
 
 @dataclass(frozen=True, slots=True)
 class ThroughputRow:
-    """A capacity row (model, probe, size, scope) with the runs' mean peak and the spec."""
+    """A capacity row (model, probe, size, scope, basis) with the runs' mean peak and the
+    spec; a row of the p10 basis has no sustained ratio (its runs had no steady value)."""
 
     capacity: CapacityRow
     peak: float | None  # mean of the runs' peaks (best 5% window of each run)
@@ -105,9 +109,10 @@ class FleetData:
     stacks: tuple[StackCovered, ...]
     probes: tuple[ProbeCovered, ...]
     outcomes: dict[str, int]  # every run in the period, by outcome
+    runs: RunsCounted  # the runs behind the figures, by basis, and those left out, by reason
     nodes: int
     devices: int
-    results: int
+    results: int  # the runs used, on either basis
     tolerances: tuple[float, ...]  # the analysis' tolerance, as the runs recorded it
 
     @property
@@ -120,9 +125,10 @@ def gather(engine: Engine, since: datetime | None, now: datetime) -> FleetData:
     None). Raises ArchiveError when the database cannot be read."""
     record = ProbeRunRecord
     after = true() if since is None else record.ended_at >= since
-    results = and_(RESULTS_WHERE, after)
+    results = and_(or_(RESULTS_WHERE, P10_RESULTS_WHERE), after)
+    steady = and_(RESULTS_WHERE, after)
     try:
-        rows = capacity(engine, by="model", since=since)
+        answer = capacity_with_runs(engine, by="model", since=since)
         with engine.connect() as connection:
             means = _means(connection, results)
             totals = connection.execute(
@@ -140,12 +146,13 @@ def gather(engine: Engine, since: datetime | None, now: datetime) -> FleetData:
             data = FleetData(
                 since=since,
                 generated_at=now,
-                throughput=tuple(_throughput(row, means) for row in rows),
+                throughput=tuple(_throughput(row, means) for row in answer.rows),
                 events=_events(connection, since),
-                hot_spots=_hot_spots(connection, results, since),
+                hot_spots=_hot_spots(connection, steady, since),
                 stacks=_stacks(connection, results),
                 probes=_probes(connection, results),
                 outcomes={str(k): int(v) for k, v in outcomes.items()},
+                runs=answer.runs,
                 nodes=int(totals[1]),
                 devices=int(totals[2]),
                 results=int(totals[0]),
@@ -161,7 +168,8 @@ Key = tuple[Any, ...]
 
 def _means(connection: Any, results: Any) -> dict[Key, tuple[Any, Any, Any]]:
     r = ProbeRunRecord
-    keys = (r.device_model, r.workload, r.precision, r.optimization, r.unit, r.size, r.scope)
+    basis = case((r.steady_throughput.is_not(None), "steady"), else_="p10")
+    keys = (r.device_model, r.workload, r.precision, r.optimization, r.unit, r.size, r.scope, basis)
     statement = (
         select(
             *keys,
@@ -172,11 +180,24 @@ def _means(connection: Any, results: Any) -> dict[Key, tuple[Any, Any, Any]]:
         .where(results)
         .group_by(*keys)
     )
-    return {tuple(row[:7]): (row[7], row[8], row[9]) for row in connection.execute(statement)}
+    width = len(keys)
+    return {
+        tuple(row[:width]): (row[width], row[width + 1], row[width + 2])
+        for row in connection.execute(statement)
+    }
 
 
 def _throughput(row: CapacityRow, means: dict[Key, tuple[Any, Any, Any]]) -> ThroughputRow:
-    key = (row.group, row.workload, row.precision, row.optimization, row.unit, row.size, row.scope)
+    key = (
+        row.group,
+        row.workload,
+        row.precision,
+        row.optimization,
+        row.unit,
+        row.size,
+        row.scope,
+        row.basis,
+    )
     peak, ratio, lowest = means.get(key, (None, None, None))
     spec = None
     if row.scope != "node_total":
@@ -341,7 +362,8 @@ def _json_object(text: str | None) -> dict[str, Any]:
 
 
 def coupling_pairs(rows: Sequence[ThroughputRow]) -> list[tuple[ThroughputRow, ThroughputRow]]:
-    """(solo, node-wide) rows of the same model, probe and size: where both were run."""
+    """(solo, node-wide) rows of the same model, probe, size and basis: where both were run (a
+    steady figure is never set against a p10)."""
     solo = {_probe_key(row): row for row in rows if row.capacity.scope == "device"}
     return [
         (solo[_probe_key(row)], row)
@@ -352,4 +374,4 @@ def coupling_pairs(rows: Sequence[ThroughputRow]) -> list[tuple[ThroughputRow, T
 
 def _probe_key(row: ThroughputRow) -> Key:
     c = row.capacity
-    return (c.group, c.workload, c.precision, c.optimization, c.unit, c.size)
+    return (c.group, c.workload, c.precision, c.optimization, c.unit, c.size, c.basis)

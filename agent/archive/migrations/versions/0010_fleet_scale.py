@@ -6,8 +6,9 @@ time column (a partitioned table's unique keys must hold its partition key) and 
 gains the run's ``started_at``. Every row is kept: PostgreSQL copies each table into its
 partitioned successor, ids included; SQLite alters its plain tables in place.
 
-The summary's SQL comes from agent.archive.summary as it is at this revision; a later change to
-it comes with a migration of its own.
+The summary's SQL comes from agent.archive.summary: its steady basis, the part this revision made
+(``create``'s arguments name it); a later revision adds its parts with a migration of its own
+(0011: the p10 basis and the runs left out).
 
 Revision ID: 0010
 Revises: 0009
@@ -168,7 +169,7 @@ def upgrade() -> None:
                 _partition_postgresql("probe_series", "started_at", *_TABLES[3][2:])
             _partition_postgresql(table, column, unique, unique_columns)
         op.execute(_VIEW)
-        summary.create(bind)
+        summary.create(bind, ("steady",), left_out=False)
         return
     # SQLite: plain tables, new keys; the series gains the run's start.
     with op.batch_alter_table("probe_series") as batch:
