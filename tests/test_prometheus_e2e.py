@@ -214,6 +214,9 @@ def start_agent(fake_nvml: Path, tmp_path: Path) -> tuple[subprocess.Popen[bytes
             duty_cycle = 1.0
             busy_gpu_utilization = 1.0
             busy_cpu_utilization = 1.0
+            # Traini et al.'s published tolerance: this stack checks plumbing, and its own probes
+            # (the node-wide matmul uses both cores) shift the CPU inference runs they overlap.
+            tolerance = 0.05
             python = "{wrapper}"
             [[probing.plan]]
             workload = "matmul"
@@ -327,6 +330,11 @@ def stack_running(fake_nvml: Path, tmp_path: Path) -> Iterator[tuple[str, Path]]
         stop(*processes)
 
 
+# A CPU inference run that one of the stack's other probes overlapped shifts and finds no steady
+# state (truly: its throughput moved); a steady one comes within a few of its one-minute runs.
+SLOW_FIGURES = {'sustain_probe_tokens_per_second{stat="steady"}': 480.0}
+
+
 def wait_for(base: str, expr: str, timeout: float, logs: Path) -> list[Any]:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -340,6 +348,7 @@ def wait_for(base: str, expr: str, timeout: float, logs: Path) -> list[Any]:
     pytest.fail(f"{expr} returned nothing in {timeout} s\n{(logs / 'agent.log').read_text()}")
 
 
+@pytest.mark.timeout(900)  # waits of up to 480 s + 185 s for a steady CPU inference run
 def test_every_dashboard_query_and_rule_returns_data(stack_running: tuple[str, Path]) -> None:
     base, logs = stack_running
     # What the slowest parts need: the drift child's first run, an inference and an attention
@@ -354,7 +363,7 @@ def test_every_dashboard_query_and_rule_returns_data(stack_running: tuple[str, P
         'sustain_probe_node_coupling_ratio{device="node"}',  # a node-wide run after a solo one
         "instance_device:sustain_probe_flops_steady:median7d",
     ):
-        wait_for(base, expr, 240, logs)
+        wait_for(base, expr, SLOW_FIGURES.get(expr, 240), logs)
     time.sleep(5)  # a few more evaluations of every rule group
 
     rules = yaml.safe_load(RULES.read_text())
@@ -365,9 +374,10 @@ def test_every_dashboard_query_and_rule_returns_data(stack_running: tuple[str, P
     missing = [
         (name, expr) for name, expr in wanted if not api(base, "query", query=expr)["result"]
     ]
-    # A figure the latest run lacks (a node-wide run on this loaded machine that found no steady
-    # state) comes back with the next run: what is empty gets up to two plan intervals more.
-    deadline = time.monotonic() + 65
+    # A figure the latest run lacks (a node-wide run, or a CPU inference run another probe
+    # overlapped, that found no steady state) comes back with a later run: what is empty gets up
+    # to three of the one-minute plan intervals more.
+    deadline = time.monotonic() + 185
     while missing and time.monotonic() < deadline:
         time.sleep(2)
         missing = [(n, e) for n, e in missing if not api(base, "query", query=e)["result"]]
