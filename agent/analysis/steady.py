@@ -279,9 +279,13 @@ def _segment(
     # certain than its size suggests, by the long-run variance ratio of the noise around the
     # segments' means.
     noise = np.concatenate([segment - float(np.mean(segment)) for segment in segments])
-    noise_variance = float(np.var(noise)) * dependence(noise).variance_ratio
-
-    return starts_f, segments, _first_equivalent(segments, tolerance, noise_variance)
+    noise_variance = float(np.var(noise))
+    variance_ratio = dependence(noise).variance_ratio
+    return (
+        starts_f,
+        segments,
+        _first_equivalent(segments, tolerance, noise_variance, variance_ratio),
+    )
 
 
 def analyze_durations(
@@ -340,26 +344,33 @@ def _as_series(
 
 
 def _equivalent(
-    segment: NDArray[np.float64], final: NDArray[np.float64], tolerance: float, variance: float
+    segment: NDArray[np.float64],
+    final: NDArray[np.float64],
+    tolerance: float,
+    pooled: float,
+    variance_ratio: float,
 ) -> bool:
     """Same level: difference within tolerance, or within the noise of two short segments.
 
-    ``variance`` is the long-run variance of the noise around the segments' means: a short
-    segment's own spread understates how far its mean can stray when neighbours are alike.
+    Each segment's variance is at least the ``pooled`` variance of the noise around all segments'
+    means (a short segment's own spread understates how far its mean can stray), and grows by
+    the noise's long-run ``variance_ratio`` when neighbouring iterations are alike.
     """
     final_mean = float(np.mean(final))
     difference = abs(float(np.mean(segment)) - final_mean) / final_mean
-    spread = CI_Z * math.sqrt(variance * (1.0 / segment.size + 1.0 / final.size)) / final_mean
+    own = max(float(np.var(segment)), pooled) / segment.size
+    last = max(float(np.var(final)), pooled) / final.size
+    spread = CI_Z * math.sqrt(variance_ratio * (own + last)) / final_mean
     return difference <= max(tolerance, spread)
 
 
 def _first_equivalent(
-    segments: list[NDArray[np.float64]], tolerance: float, variance: float
+    segments: list[NDArray[np.float64]], tolerance: float, pooled: float, variance_ratio: float
 ) -> int:
     """Index of the earliest segment of the unbroken run of segments equivalent to the last."""
     final = segments[-1]
     first = len(segments) - 1
-    while first > 0 and _equivalent(segments[first - 1], final, tolerance, variance):
+    while first > 0 and _equivalent(segments[first - 1], final, tolerance, pooled, variance_ratio):
         first -= 1
     return first
 
