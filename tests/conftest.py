@@ -43,6 +43,13 @@ POSTGRES_SERVER = "postgresql+psycopg://postgres@127.0.0.1:5432"
 POSTGRES_MAINTENANCE_URL = f"{POSTGRES_SERVER}/test"
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The long tests (marked slow) first, in their own order: under pytest-xdist each worker
+    takes one of them at the start and the short ones fill in around them, so the run is not
+    left waiting on a long test that started last."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
 @pytest.fixture(autouse=True)
 def _real_procfs() -> Iterator[None]:
     """``psutil.PROCFS_PATH`` is process-wide and a host collector built on a fixture tree moves
@@ -186,10 +193,33 @@ def wrapped_runs(log: Path) -> list[dict[str, Any]]:
 # A `sustain run` process as an operator starts it, for the end-to-end tests.
 
 
+# Ports for the servers a test starts come from below the kernel's ephemeral range (32768 and
+# up here), one block per xdist worker: an outgoing connection anywhere on the machine cannot take
+# a port between the check and the server's bind, and two workers never hand out the same one.
+_PORT_BLOCK = 1000
+_PORT_BASE = 20000
+_next_port = 0
+
+
+def _worker_index() -> int:
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")  # gw0, gw1, ...; absent without xdist
+    return int(worker.removeprefix("gw")) if worker.removeprefix("gw").isdigit() else 0
+
+
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    """A port on 127.0.0.1 that nothing listens on, from this worker's own block."""
+    global _next_port  # noqa: PLW0603 - one counter per test process
+    base = _PORT_BASE + (_worker_index() % 12) * _PORT_BLOCK
+    for _ in range(_PORT_BLOCK):
+        port = base + _next_port % _PORT_BLOCK
+        _next_port += 1
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue  # in use, or a connection of an earlier test in TIME_WAIT
+            return port
+    raise RuntimeError(f"no free port in {base}..{base + _PORT_BLOCK - 1}")
 
 
 def fetch(url: str, timeout: float = 5.0) -> tuple[int, str]:
@@ -236,7 +266,9 @@ class Running:
     def terminate(self, signum: int = signal.SIGTERM) -> tuple[int, float, str]:
         started = time.monotonic()
         self.process.send_signal(signum)
-        _, err = self.process.communicate(timeout=10)
+        # Generous: an agent on a loaded machine may take its time to stop; a test that holds
+        # it to a bound measures that itself from the duration returned.
+        _, err = self.process.communicate(timeout=60)
         return self.process.returncode, time.monotonic() - started, err
 
 

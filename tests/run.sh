@@ -2,6 +2,11 @@
 # Sets up a virtual environment and runs the whole test suite: lint, types, tests.
 # Usage: bash tests/run.sh [pytest arguments]. Needs python3 (>= 3.11) and the PostgreSQL server
 # at 127.0.0.1:5432 (database "test", trust auth) that the archive tests run against.
+#   bash tests/run.sh                  everything (CI, the README's test command)
+#   bash tests/run.sh -m "not slow"    the quick tier: all but the end-to-end, soak and load tests
+#   bash tests/run.sh tests/test_x.py  one module; add -n 0 to run it in this process
+# Tests run on parallel workers (pytest-xdist): twice the cores, at most 8; SUSTAIN_TEST_WORKERS
+# sets the number.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -38,7 +43,9 @@ python3 -m venv .venv
 .venv/bin/ruff check .
 .venv/bin/mypy
 status=0
-.venv/bin/python -m pytest "$@" || status=$?
+cores="$(nproc)"
+workers="${SUSTAIN_TEST_WORKERS:-$((cores * 2 > 8 ? 8 : cores * 2))}"
+.venv/bin/python -m pytest -n "$workers" --dist loadgroup "$@" || status=$?
 if [ "$status" -eq 5 ]; then
   echo "tests/run.sh: pytest collected no tests; that is a failure" >&2
 fi
