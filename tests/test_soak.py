@@ -1,11 +1,17 @@
-"""Soak, accelerated (issue 8): the fake NVML driver at a time scale of 60 for 10 minutes, that is
+"""Soak, accelerated (issue 8): the fake NVML driver at a time scale of 150 for 4 minutes, that is
 10 scenario hours of two H100s with throttle episodes (GPU 1 in HW thermal slowdown for 10
 scenario minutes every hour, GPU 0 under power brake for 5 minutes every two hours) and a driver
-upgrade halfway. The agent samples at 1 Hz, rolls up every 10 s and reads its stack every 10 s.
+upgrade halfway. The agent samples every 0.4 s (a scenario minute), rolls up every 4 s (10
+scenario minutes) and reads its stack every 10 s (25 scenario minutes).
 
-Afterwards: its memory grew by less than 10 MB after a two-minute warm-up, the archived rollups
-have no gap, every throttle episode that ended is one archive event, and the upgrade is one
-stack change. Marked slow (10 minutes); it runs in CI all the same.
+Afterwards: its memory grew by less than 10 MB after a warm-up of two scenario hours, the archived
+rollups have no gap, every throttle episode that ended is one archive event, and the upgrade is
+one stack change. Marked slow (4 minutes); it runs in CI all the same.
+
+The scenario, and the samples and rollups per scenario hour, are those of the first version of
+this test, which ran 10 real minutes at a time scale of 60 (1 Hz sampling, 10 s rollups). Stack
+reads could not follow: `[stack] interval_seconds` has a minimum of 10 s (agent/config/settings.py),
+so there are 2.4 of them per scenario hour instead of 6; the upgrade still falls between two.
 """
 
 from __future__ import annotations
@@ -26,9 +32,13 @@ import pytest
 from conftest import fetch, free_port
 from prometheus_client.parser import text_string_to_metric_families
 
-SCALE = 60.0
-REAL_SECONDS = 600.0
-WARMUP_SECONDS = 120.0
+SCALE = 150.0  # scenario seconds per real second
+REAL_SECONDS = 240.0  # 10 scenario hours
+SAMPLE_SECONDS = 0.4  # one sample a scenario minute
+ROLLUP_SECONDS = 4  # 10 scenario minutes
+STACK_SECONDS = 10  # the minimum of [stack] interval_seconds: 25 scenario minutes
+WARMUP_SECONDS = 2 * 3600 / SCALE  # two scenario hours, as the first version's two real minutes
+MEMORY_EVERY_SECONDS = 900 / SCALE  # a reading every 15 scenario minutes
 UUID0 = "GPU-00000000-1111-2222-3333-444444444444"
 UUID1 = "GPU-55555555-6666-7777-8888-999999999999"
 
@@ -66,20 +76,37 @@ def rss(port: int) -> float:
     raise AssertionError("no sustain_process_resident_memory_bytes")
 
 
+def wait_for_gpus(agent: subprocess.Popen[bytes], port: int, log: Path) -> float:
+    """time.monotonic() once the agent's /metrics has both GPUs (within 60 s of its start)."""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        assert agent.poll() is None, log.read_text()
+        try:
+            body = fetch(f"http://127.0.0.1:{port}/metrics", timeout=2)[1]
+        except OSError:
+            body = ""
+        if UUID0 in body and UUID1 in body:
+            return time.monotonic()
+        time.sleep(0.1)
+    pytest.fail(f"the agent did not serve its GPUs in 60 s:\n{log.read_text()}")
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(REAL_SECONDS + 300)
-def test_ten_scenario_hours_in_ten_minutes(fake_nvml: Path, tmp_path: Path) -> None:
+def test_ten_scenario_hours_in_four_minutes(fake_nvml: Path, tmp_path: Path) -> None:
     text, episodes = scenario()
     (tmp_path / "soak.scn").write_text(text)
     (tmp_path / "sustain.toml").write_text(
         textwrap.dedent(
-            """
+            f"""
             [agent]
             node = "soak-node"
+            [sampler]
+            interval_seconds = {SAMPLE_SECONDS}
             [archive]
-            rollup_seconds = 10
+            rollup_seconds = {ROLLUP_SECONDS}
             [stack]
-            interval_seconds = 10
+            interval_seconds = {STACK_SECONDS}
             [probing]
             enabled = false
             [drift]
@@ -100,14 +127,17 @@ def test_ten_scenario_hours_in_ten_minutes(fake_nvml: Path, tmp_path: Path) -> N
          "--listen", f"127.0.0.1:{port}", "--data-dir", str(tmp_path)],
         stdout=subprocess.DEVNULL, stderr=log, env=env,
     )  # fmt: skip
-    started = time.monotonic()
     memory: list[tuple[float, float]] = []
     try:
+        # The scenario's clock starts at the agent's NVML init (its first poll), before the GPUs
+        # are on /metrics: the run is timed from then, so it covers the 10 scenario hours however
+        # long the start-up took, and scenario_end below is at most the driver's scenario time.
+        started = wait_for_gpus(agent, port, tmp_path / "agent.log")
         while (elapsed := time.monotonic() - started) < REAL_SECONDS:
             assert agent.poll() is None, (tmp_path / "agent.log").read_text()
             if elapsed >= WARMUP_SECONDS:
                 memory.append((elapsed, rss(port)))
-            time.sleep(15)
+            time.sleep(MEMORY_EVERY_SECONDS)
         agent.send_signal(signal.SIGTERM)
         assert agent.wait(timeout=30) == 0
     finally:
@@ -138,10 +168,10 @@ def test_ten_scenario_hours_in_ten_minutes(fake_nvml: Path, tmp_path: Path) -> N
             "SELECT attributes FROM events WHERE kind = 'stack_changed' ORDER BY occurred_at"
         ).fetchall()
     for device, periods in rollups.items():
-        # About 60 periods of 10 s; none missing between the first and the last.
-        assert len(periods) >= 55, (device, len(periods))
+        # About 60 periods (the first and last may be cut); none missing in between.
+        assert len(periods) >= REAL_SECONDS / ROLLUP_SECONDS - 5, (device, len(periods))
         starts = [time.mktime(time.strptime(p[:19], "%Y-%m-%d %H:%M:%S")) for p in periods]
-        assert {b - a for a, b in itertools.pairwise(starts)} == {10.0}, device
+        assert {b - a for a, b in itertools.pairwise(starts)} == {ROLLUP_SECONDS}, device
 
     ended = Counter(
         (uuid, reason) for uuid, reason, _, end in episodes if end < scenario_end - SCALE
@@ -151,9 +181,12 @@ def test_ten_scenario_hours_in_ten_minutes(fake_nvml: Path, tmp_path: Path) -> N
     assert not ended - seen, f"episodes without an event: {ended - seen}"
     assert sum((seen - ended).values()) == 0, f"events without an episode: {seen - ended}"
     for _, attrs in events:
+        # Each end of an episode is seen at the next poll: a sampling interval late at most, a
+        # little more on a loaded machine; two intervals of slack (a scenario minute each).
         length = float(json.loads(attrs)["seconds"]) * SCALE
         assert length == pytest.approx(
-            600 if json.loads(attrs)["reason"] == "hw_thermal_slowdown" else 300, abs=2 * SCALE
+            600 if json.loads(attrs)["reason"] == "hw_thermal_slowdown" else 300,
+            abs=2 * SAMPLE_SECONDS * SCALE,
         )
 
     summaries = [json.loads(row[0])["summary"] for row in changes]

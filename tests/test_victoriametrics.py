@@ -1,11 +1,15 @@
-"""Acceptance 4 of issue 18: long-term series. The real Prometheus scrapes the agent of
-test_prometheus_e2e.py (fake NVML, two H100s, GPU 1 thermally throttled, short probes, a seeded
-archive) with the shipped rules, and remote-writes everything to a real VictoriaMetrics on
-127.0.0.1, the way docs/deploy.md ("Long-term storage") sets it up. Then every expression of
-every dashboard (panels, annotations, variables) and every recording and alerting rule of
-deploy/prometheus/rules.yml is evaluated by VictoriaMetrics' Prometheus query API, instant and
-over the test's span: each is answered without error (MetricsQL accepts it) and returns data, or
-is one of NO_DATA, whose reasons docs/deploy.md lists too.
+"""Acceptance 4 of issue 18: long-term series. The real Prometheus scrapes the agent of the
+end-to-end stack (tests/e2e_stack.py: fake NVML, two H100s, GPU 1 thermally throttled, short
+probes, a seeded archive) with the shipped rules, and remote-writes everything to a real
+VictoriaMetrics on 127.0.0.1, the way docs/deploy.md ("Long-term storage") sets it up. Then every
+expression of every dashboard (panels, annotations, variables) and every recording and alerting
+rule of deploy/prometheus/rules.yml is evaluated by VictoriaMetrics' Prometheus query API, instant
+and over the stack's span: each is answered without error (MetricsQL accepts it) and returns data,
+or is one of NO_DATA, whose reasons docs/deploy.md lists too.
+
+The stack is the one tests/test_prometheus_e2e.py checks Prometheus on, started once for both
+modules (fixture `e2e_stack`; the tests share the xdist group "e2e-stack", so that one worker
+runs them all). Whichever module runs first waits for the stack's figures; the other finds them.
 
 VictoriaMetrics is the long-term store checked for real because Debian packages it (a single
 binary, no object store) and because its query language, MetricsQL, is the dialect most likely to
@@ -16,32 +20,33 @@ to 1 s so that the test does not wait for it.
 
 from __future__ import annotations
 
-import json
 import re
-import shutil
 import subprocess
 import time
 import urllib.parse
-from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 import yaml
-from conftest import fetch, free_port
-from test_dashboards import promtool
-from test_prometheus_e2e import (
+
+# The stack's module is a plugin (pytest_plugins below) that this module imports first: its
+# asserts are rewritten only if pytest is told before the import.
+pytest.register_assert_rewrite("e2e_stack")
+from e2e_stack import (  # noqa: E402
+    GROUP,
     RULES,
-    SLOW_FIGURES,
     UUID0,
     UUID1,
+    Stack,
+    answered,
     api,
     load_queries,
-    start_agent,
-    start_prometheus,
-    stop,
     wait_for,
+    wait_for_figures,
 )
+from test_dashboards import promtool  # noqa: E402
+
+pytest_plugins = ["e2e_stack"]  # its fixture and hooks: one stack for this module and the other
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY_DOC = ROOT / "docs" / "deploy.md"
@@ -70,72 +75,9 @@ ABSENT_WHILE_WELL = {
 }
 # A metric name in an expression: `sustain_*`, `up`, or a recorded series (level:metric:ops).
 METRIC_NAME = re.compile(r"(?<![\w:\"])(?:sustain_\w+|[a-z_]+:\w+:\w+|up)(?![\w(])")
-
-
-def victoria_metrics() -> str:
-    binary = shutil.which("victoria-metrics")
-    if binary is None:
-        pytest.fail(
-            "VictoriaMetrics is not installed: apt-get install victoria-metrics "
-            "(tests/run.sh does)",
-            pytrace=False,
-        )
-    return binary
-
-
-def wait_until_ready(base: str, process: subprocess.Popen[bytes], log: Path) -> None:
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            pytest.fail(f"VictoriaMetrics exited with {process.returncode}:\n{log.read_text()}")
-        try:
-            if fetch(f"{base}/health", timeout=2)[0] == 200:
-                return
-        except OSError:
-            pass
-        time.sleep(0.2)
-    pytest.fail(f"VictoriaMetrics did not answer /health in 30 s:\n{log.read_text()}")
-
-
-@pytest.fixture
-def long_term(fake_nvml: Path, tmp_path: Path) -> Iterator[tuple[str, str, Path]]:
-    """VictoriaMetrics, the agent and Prometheus remote-writing to VictoriaMetrics, running;
-    yields VictoriaMetrics' and Prometheus' base URLs and the directory with the logs."""
-    binary = victoria_metrics()
-    vm_base = f"http://127.0.0.1:{free_port()}"
-    with (tmp_path / "victoria-metrics.log").open("w") as log:
-        vm = subprocess.Popen(
-            [binary, f"-httpListenAddr={vm_base.removeprefix('http://')}",
-             f"-storageDataPath={tmp_path / 'victoria-metrics'}", "-retentionPeriod=1d",
-             "-search.latencyOffset=1s", "-search.disableCache", "-loggerLevel=WARN"],
-            stdout=subprocess.DEVNULL, stderr=log,
-        )  # fmt: skip
-    processes: list[subprocess.Popen[bytes]] = []
-    try:
-        wait_until_ready(vm_base, vm, tmp_path / "victoria-metrics.log")
-        agent, target = start_agent(fake_nvml, tmp_path)
-        processes.append(agent)
-        remote_write = {
-            "url": f"{vm_base}/api/v1/write",
-            "queue_config": {"batch_send_deadline": "1s", "max_backoff": "1s"},
-        }
-        server, base = start_prometheus(tmp_path, target, remote_write=[remote_write])
-        processes.insert(0, server)
-        yield vm_base, base, tmp_path
-    finally:
-        stop(*processes)
-        stop(vm)  # last: Prometheus flushes its remote-write queue on the way out
-
-
-def query_range(base: str, expr: str, start: float) -> list[Any]:
-    """The expression over [start, now] every 2 s, as a Grafana graph asks for it."""
-    params = {"query": expr, "start": f"{start:.3f}", "end": f"{time.time():.3f}", "step": "2s"}
-    status, body = fetch(f"{base}/api/v1/query_range?{urllib.parse.urlencode(params)}", 10)
-    assert status == 200, f"{expr}: {body}"
-    answer = json.loads(body)
-    assert answer["status"] == "success", answer
-    result: list[Any] = answer["data"]["result"]
-    return result
+# A figure the latest probe run lacks comes with the next run, as in test_prometheus_e2e.py:
+# what is empty gets a one-minute plan interval more.
+RETRY_SECONDS = 65.0
 
 
 def expressions() -> list[tuple[str, str]]:
@@ -151,23 +93,14 @@ def expressions() -> list[tuple[str, str]]:
     return found
 
 
-@pytest.mark.timeout(900)  # waits of up to 480 s + 185 s for a steady CPU inference run
-def test_every_expression_answers_from_victoriametrics(long_term: tuple[str, str, Path]) -> None:
-    vm, prometheus, logs = long_term
-    started = time.time()
+@pytest.mark.slow
+@pytest.mark.xdist_group(GROUP)
+@pytest.mark.timeout(600)  # the stack's start, up to 300 s for the figures, 65 s of retries
+def test_every_expression_answers_from_victoriametrics(e2e_stack: Stack) -> None:
+    vm, prometheus = e2e_stack.victoria_metrics, e2e_stack.prometheus
     # What the slowest parts need (as in test_prometheus_e2e.py), arrived in VictoriaMetrics.
-    for expr in (
-        'up{job="sustain"} == 1',
-        "sustain_drift_fleet_outlier",
-        "sustain_probe_latency_seconds",
-        "increase(sustain_stack_changes_total[5m]) > 0",
-        'sustain_probe_flops{stat="steady",uuid!=""}',
-        'sustain_probe_bytes_per_second{stat="steady"}',
-        'sustain_probe_tokens_per_second{stat="steady"}',
-        'sustain_probe_node_coupling_ratio{device="node"}',
-        "instance_device:sustain_probe_flops_steady:median7d",
-    ):
-        wait_for(vm, expr, SLOW_FIGURES.get(expr, 240), logs)
+    wait_for(e2e_stack, vm, 'up{job="sustain"} == 1', time.monotonic() + 120)
+    wait_for_figures(e2e_stack, vm, since_start=True)
     time.sleep(3)  # a few more rule evaluations and remote-write batches
 
     # The same series as Prometheus holds: one GPU family, label for label.
@@ -183,17 +116,15 @@ def test_every_expression_answers_from_victoriametrics(long_term: tuple[str, str
     undocumented = [name for name in NO_DATA if name not in dict(wanted)]
     assert not undocumented, f"NO_DATA names no expression: {undocumented}"
 
-    def answered(expr: str) -> bool:
-        """VictoriaMetrics answers without error; True when there is data, now or since start."""
-        return bool(api(vm, "query", query=expr)["result"] or query_range(vm, expr, started))
-
-    missing = [(name, expr) for name, expr in wanted if not answered(expr)]
-    # A figure the latest probe run lacks (no steady state on this loaded machine) comes with the
-    # next run, as in test_prometheus_e2e.py: what is empty gets up to two plan intervals more.
-    deadline = time.monotonic() + 65
+    # VictoriaMetrics answers without error (api() and query_range() check that); data now or
+    # over the stack's span.
+    missing = [(name, expr) for name, expr in wanted if not answered(vm, expr, e2e_stack.started)]
+    deadline = time.monotonic() + RETRY_SECONDS
     while time.monotonic() < deadline and [name for name, _ in missing if name not in NO_DATA]:
         time.sleep(2)
-        missing = [(name, expr) for name, expr in missing if not answered(expr)]
+        missing = [
+            (name, expr) for name, expr in missing if not answered(vm, expr, e2e_stack.started)
+        ]
     empty = [f"{name}: {expr}" for name, expr in missing if name not in NO_DATA]
     assert not empty, "no data in VictoriaMetrics:\n" + "\n".join(empty)
 
