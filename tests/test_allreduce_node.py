@@ -17,6 +17,7 @@ from pathlib import Path
 import psutil
 import pytest
 from conftest import FakeGpus, cpu_wrapper, wrapped_runs
+from test_bounded_runs import iteration_capped_python
 
 from agent.config.settings import ProbingSection
 from agent.probes.devices import TelemetryCapture
@@ -37,32 +38,39 @@ def test_allreduce_runs_node_wide_with_a_rank_per_gpu_never_foreign(
 ) -> None:
     _, collector = scenario(f"device 0 uuid {GPU0}\ndevice 1 uuid {GPU1}\n", 1.0)
     wrapper, log = cpu_wrapper(tmp_path)
+    # The run ends after 40 iterations, within a generous duration: on a loaded machine an
+    # iteration of two gloo ranks takes 0.1 s or more, and 3 s would leave it short of the
+    # analysis minimum of 30 (a timeout, not the ok run this test is about).
+    capped = iteration_capped_python(tmp_path, 40, target=wrapper)
     store = TelemetryStore(64)
     capture = TelemetryCapture()
     loop = SamplerLoop(collector, 1.0, sinks=(store.record, capture.record), stall_seconds=30)
     loop.poll_once()
-    entry = {"workload": "allreduce", "precisions": ["fp32"], "duration_seconds": 3.0}
+    entry = {"workload": "allreduce", "precisions": ["fp32"], "duration_seconds": 60.0}
     settings = ProbingSection.model_validate(
         {"plan": [{**entry, "size": "small", "interval_seconds": 3600}]}
     )
-    runner = ProbeRunner(python=str(wrapper), startup_timeout_seconds=120)
+    runner = ProbeRunner(python=str(capped), startup_timeout_seconds=120)
     scheduler = ProbeScheduler(settings, runner, store, capture, (loop,), 1.0)
 
-    # While it runs: what the agent counts as its own, beside every process of the run.
+    # While it runs: what the agent counts as its own, beside every process of the run. The
+    # processes are listed first and the agent asked after, and only those still running after
+    # its answer are compared with it: a rank started between the two reads, or gone before the
+    # answer, is the next sample's (a loaded machine widens that gap; it is no finding).
     own: list[tuple[set[int], set[int]]] = []
     done = threading.Event()
 
     def watch() -> None:
         while not done.wait(0.2):
-            children = runner.child_pids()
             started: set[int] = set()
-            for pid in list(children):
+            for pid in runner.child_pids():
                 try:
                     parent = psutil.Process(pid)
                     started.update(p.pid for p in parent.children(recursive=True))
                 except psutil.Error:
                     continue
-            own.append((children, started))
+            children = runner.child_pids()
+            own.append((children, {pid for pid in started if running(pid)}))
 
     watcher = threading.Thread(target=watch)
     watcher.start()
@@ -97,6 +105,14 @@ def test_allreduce_runs_node_wide_with_a_rank_per_gpu_never_foreign(
     assert all(rank1 in children for children in seen)
     # Both GPUs' telemetry was captured for the run.
     assert {s.device for s in run.telemetry} >= {GPU0, GPU1}
+
+
+def running(pid: int) -> bool:
+    """Still running (a zombie has ended its work)."""
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
 
 
 def test_allreduce_selects_nccl_on_gpus_and_gloo_on_cpus() -> None:

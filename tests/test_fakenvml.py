@@ -402,13 +402,15 @@ def test_power_usage_is_the_average_and_field_186_the_instant_power(gpus: FakeGp
 
 
 def test_time_scale_compresses_scenario_time(gpus: FakeGpus) -> None:
-    scenario = gpus.write("set time_scale 1000\ndevice 0\nat 100 0 power_mw 200000\n")
+    """1000 scenario seconds a second: the step at 1000 s comes a real second after the start
+    (room for a loaded machine's first call), not 1000 s after it."""
+    scenario = gpus.write("set time_scale 1000\ndevice 0\nat 1000 0 power_mw 200000\n")
     gpus.start(scenario, time_scale=None)  # the file's `set time_scale 1000` rules
     assert pynvml.nvmlDeviceGetPowerUsage(handle(0)) == 70_000
-    time.sleep(0.15)  # 150 scenario seconds
+    time.sleep(1.05)  # 1050 scenario seconds
     assert pynvml.nvmlDeviceGetPowerUsage(handle(0)) == 200_000
     energy = pynvml.nvmlDeviceGetTotalEnergyConsumption(handle(0))
-    assert energy >= 70_000 * 100 + 200_000 * 50
+    assert energy >= 70_000 * 1000 + 200_000 * 50
     gpus.stop()
 
     gpus.start(scenario, time_scale=1)  # the environment overrides the file
@@ -483,7 +485,8 @@ def test_acceptance_gpu1_thermal_slowdown_for_exactly_thirty_seconds(gpus: FakeG
     thermal = pynvml.NVML_FI_DEV_PERF_POLICY_THERMAL
     hw_thermal = pynvml.NVML_FI_DEV_CLOCKS_EVENT_REASON_HW_THERM_SLOWDOWN
     sm = pynvml.NVML_CLOCK_SM
-    gpus.start(SCENARIOS / "thermal_gpu1.scn", time_scale=100)  # 60 s in 0.6 s
+    # 60 s in 3 s: each check has 0.75 s or more of real time to be made in its window.
+    gpus.start(SCENARIOS / "thermal_gpu1.scn", time_scale=20)
     gpu0, gpu1 = handle(0), handle(1)
     for gpu in (gpu0, gpu1):
         assert fields(gpu, [thermal])[thermal].value.ullVal == 0
@@ -662,7 +665,7 @@ def test_a_lost_gpu_fails_every_device_call_then_recovers(gpus: FakeGpus) -> Non
         "mig 3 1 0 MIG-00000000-0000-4000-8000-000000000003 42949672960\n"
         "fault 0 lost - 10 14\nfault 2 lost - 10 14\n",
         at=8,
-        time_scale=10,
+        time_scale=2,  # a real second before the window, 1.5 s in it after sleep_until(11)
     )
     lost = lost_target(handle(0), handle(2))
     uuid = pynvml.nvmlDeviceGetUUID(lost.gpu)
@@ -1107,7 +1110,7 @@ def test_xid_events_are_delivered_once_in_time_order(gpus: FakeGpus) -> None:
         "xid 1 1 13\n"  # before anyone listens: lost, as on real hardware
         "xid 1 13 48\nxid 1 10 79\nxid 0 11 31\n",
         at=3,
-        time_scale=100,
+        time_scale=5,  # 1.4 real seconds to register before the first XID that counts
     )
     xid = pynvml.nvmlEventTypeXidCriticalError
     only_gpu1 = pynvml.nvmlEventSetCreate()
@@ -1145,6 +1148,8 @@ def test_xid_events_are_delivered_once_in_time_order(gpus: FakeGpus) -> None:
 
 
 def test_waiting_for_events_does_not_block_polling_threads(gpus: FakeGpus) -> None:
+    """Calls from other threads are answered while one waits for events (4 s, no event comes):
+    they end while it still waits, however slowly a loaded machine runs them."""
     gpus.start("device 0\ndevice 1\nxid 0 1000 79\n", time_scale=1)
     events = pynvml.nvmlEventSetCreate()
     pynvml.nvmlDeviceRegisterEvents(handle(0), pynvml.nvmlEventTypeXidCriticalError, events)
@@ -1152,7 +1157,7 @@ def test_waiting_for_events_does_not_block_polling_threads(gpus: FakeGpus) -> No
 
     def wait() -> None:
         try:
-            pynvml.nvmlEventSetWait(events, 400)
+            pynvml.nvmlEventSetWait(events, 4000)
         except pynvml.NVMLError_Timeout:
             outcomes.append("timeout")
 
@@ -1167,17 +1172,18 @@ def test_waiting_for_events_does_not_block_polling_threads(gpus: FakeGpus) -> No
 
     waiter = threading.Thread(target=wait)
     waiter.start()
-    time.sleep(0.02)
-    started = time.monotonic()
+    time.sleep(0.2)  # into its wait
     for _ in range(100):
         pynvml.nvmlDeviceGetPowerUsage(handle(1))
-    assert time.monotonic() - started < 0.2, "the waiting thread holds the lock"
+    assert waiter.is_alive(), "the waiting thread held the lock until its wait ended"
     pollers = [threading.Thread(target=poll, args=(i % 2,)) for i in range(4)]
     for poller in pollers:
         poller.start()
-    for thread in [waiter, *pollers]:
-        thread.join()
-    assert sorted(outcomes) == ["polled"] * 4 + ["timeout"]
+    for poller in pollers:
+        poller.join()
+    assert waiter.is_alive(), "the pollers waited for the waiting thread"
+    waiter.join()
+    assert outcomes == ["polled"] * 4 + ["timeout"]
     pynvml.nvmlEventSetFree(events)
 
 

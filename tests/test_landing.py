@@ -12,6 +12,7 @@ import urllib.request
 from pathlib import Path
 
 from conftest import Running, cpu_wrapper, fetch, start_agent
+from test_bounded_runs import iteration_capped_python
 from test_probes import SPEC, child
 
 from agent.config.settings import ProbingSection
@@ -58,6 +59,8 @@ def _row(page: str, cell: str) -> str:
 def test_the_page_of_a_gpu_node_with_a_probe(fake_nvml: Path, tmp_path: Path) -> None:
     (tmp_path / "node.scn").write_text(SCENARIO)
     wrapper, _ = cpu_wrapper(tmp_path)
+    # 40 iterations within a duration that only bounds them: ok however loaded the machine is.
+    capped = iteration_capped_python(tmp_path, 40, target=wrapper)
     config = tmp_path / "sustain.toml"
     config.write_text(
         textwrap.dedent(
@@ -74,11 +77,11 @@ def test_the_page_of_a_gpu_node_with_a_probe(fake_nvml: Path, tmp_path: Path) ->
             busy_gpu_utilization = 1.0
             busy_cpu_utilization = 1.0
             preempt = false
-            python = "{wrapper}"
+            python = "{capped}"
             [[probing.plan]]
             workload = "matmul"
             precisions = ["fp32"]
-            duration_seconds = 3
+            duration_seconds = 60
             size = "small"
             interval_seconds = 3600
             jitter_seconds = 0
@@ -144,7 +147,7 @@ def test_the_page_of_a_cpu_only_node_says_why_nvml_is_absent(tmp_path: Path) -> 
     config.write_text("[probing]\nenabled = false\n[health]\nenabled = false\n")
     running = start_agent(tmp_path / "data", "--config", str(config))
     try:
-        page = _page(running, ("<td>nvml</td>", "<td>host</td>"), timeout=30)
+        page = _page(running, ("<td>nvml</td>", "<td>host</td>"), timeout=120)
     finally:
         code, _, err = running.terminate()
     assert code == 0, err
@@ -278,7 +281,7 @@ def test_the_scheduler_shows_a_timeout_after_the_result_it_restored() -> None:
     page says timeout, when, and why there are no figures, while the gauges' result stays."""
     scheduler = ProbeScheduler(
         ProbingSection(duty_cycle=1.0),
-        ProbeRunner(startup_timeout_seconds=2.0),
+        ProbeRunner(startup_timeout_seconds=60.0),  # the child's manifest comes at once
         TelemetryStore(64),
         TelemetryCapture(),
         (),

@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 from conftest import start_agent
 from prometheus_client.parser import text_string_to_metric_families
+from test_bounded_runs import iteration_capped_python
 
 from agent.cli.probe import render_run, run_json
 from agent.probes.analysis import RunAnalysis, analyze_run
@@ -35,11 +36,14 @@ ANALYSED_FIGURES = [
 
 
 def sustain(
-    *args: str, columns: int | None = 80, timeout: float = 240
+    *args: str, columns: int | None = 80, timeout: float = 240, python: Path | None = None
 ) -> subprocess.CompletedProcess[str]:
+    """`sustain ARGS`; ``python``: the probe interpreter (probing.python)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SUSTAIN_", "COLUMNS"))}
     if columns is not None:
         env["COLUMNS"] = str(columns)
+    if python is not None:
+        env["SUSTAIN_PROBING__PYTHON"] = str(python)
     return subprocess.run(
         [sys.executable, "-m", "agent", *args],
         capture_output=True,  # no terminal: what a pipe or a log file gets
@@ -57,18 +61,29 @@ PROBE = (
     "--precision",
     "fp32",
     "--duration",
-    "10",
+    "60",
     "--device",
     "cpu",
     # The default size, which the workload shrinks until the analysis minimum fits the duration:
     # the tiny "small" matmul is at the mercy of every other process on two cores.
     "--force",  # the suite's own load must not skip it; the busy check is tested elsewhere
 )
+# The probe child stops after PROBE_ITERATIONS (probe_python): the 60 s duration only bounds it.
+# A run sized for 10 s, whose iterations a loaded machine then made slower, fell short of the
+# analysis minimum (a timeout); now load makes the run longer, never insufficient.
+PROBE_ITERATIONS = 45
+
+
+@pytest.fixture(scope="module")
+def probe_python(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return iteration_capped_python(tmp_path_factory.mktemp("probe-python"), PROBE_ITERATIONS)
 
 
 @pytest.mark.parametrize("columns", [80, None])
-def test_probe_shows_the_answer_in_80_columns(tmp_path: Path, columns: int | None) -> None:
-    done = sustain(*PROBE, "--data-dir", str(tmp_path), columns=columns)
+def test_probe_shows_the_answer_in_80_columns(
+    tmp_path: Path, columns: int | None, probe_python: Path
+) -> None:
+    done = sustain(*PROBE, "--data-dir", str(tmp_path), columns=columns, python=probe_python)
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
     assert lines[0].startswith("matmul fp32 eager on cpu: ok, ")
@@ -88,8 +103,8 @@ def test_probe_shows_the_answer_in_80_columns(tmp_path: Path, columns: int | Non
         assert "of peak (steady / peak)" in text
 
 
-def test_probe_json_carries_every_figure(tmp_path: Path) -> None:
-    done = sustain(*PROBE, "--json", "--data-dir", str(tmp_path))
+def test_probe_json_carries_every_figure(tmp_path: Path, probe_python: Path) -> None:
+    done = sustain(*PROBE, "--json", "--data-dir", str(tmp_path), python=probe_python)
     assert done.returncode == 0, done.stderr
     (run,) = json.loads(done.stdout)["runs"]
     for key in (
@@ -133,21 +148,25 @@ def test_probe_json_carries_every_figure(tmp_path: Path) -> None:
     }
 
 
-PHASED = {  # workload: its phases in the order they run, units, and seconds for a small run
-    "inference": (["prefill", "decode"], "tokens/s", "token", 2.0),
-    "membw": (["copy", "triad"], "B/s", "byte", 1.0),
+PHASED = {  # workload: its phases in the order they run, units, and iterations of a small run
+    "inference": (["prefill", "decode"], "tokens/s", "token", 40),
+    "membw": (["copy", "triad"], "B/s", "byte", 61),
 }
 
 
 @pytest.fixture(scope="module", params=sorted(PHASED))
-def phased_run(request: pytest.FixtureRequest) -> tuple[ProbeRun, RunAnalysis]:
+def phased_run(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[ProbeRun, RunAnalysis]:
     """A real small run of a phased workload on this CPU through the daemon's runner, analysed
-    by the analysis child as `sustain probe` has it analysed. Its outcome is not asserted: a
-    loaded machine may leave it short of the analysis minimum (a `timeout`), which changes no
-    statement of what a figure covers."""
-    runner = ProbeRunner()
-    seconds = PHASED[request.param][3]
-    run = runner.run(ProbeSpec(request.param, "fp32", "eager", seconds, CPU, "small"))
+    by the analysis child as `sustain probe` has it analysed. The child stops after a number of
+    iterations, within a duration that only bounds it: a loaded machine makes it longer, never
+    killed at its duration without a result line. Its outcome is not asserted: a run short of
+    the analysis minimum (a `timeout`) changes no statement of what a figure covers."""
+    iterations = PHASED[request.param][3]
+    python = iteration_capped_python(tmp_path_factory.mktemp("phased"), iterations)
+    runner = ProbeRunner(python=str(python))
+    run = runner.run(ProbeSpec(request.param, "fp32", "eager", 60.0, CPU, "small"))
     assert run.result is not None, run.reason
     return run, analyze_run(run, runner.python, 0.02)
 
@@ -224,11 +243,11 @@ def test_phased_text_shows_each_phase_and_names_the_analysed_one(
     assert ("step latency p50 " in text) is (run.spec.workload == "inference")
 
 
-def recorded_steady_run(tmp_path: Path) -> dict[str, Any]:
+def recorded_steady_run(tmp_path: Path, python: Path) -> dict[str, Any]:
     """`sustain probe --record` until one run has a steady state (at most three tries: a run the
     suite's own load keeps from settling is honest, but records nothing for capacity)."""
     for _ in range(3):
-        done = sustain(*PROBE, "--json", "--record", "--data-dir", str(tmp_path))
+        done = sustain(*PROBE, "--json", "--record", "--data-dir", str(tmp_path), python=python)
         assert done.returncode == 0, done.stderr
         document = json.loads(done.stdout)
         assert document["recorded"] is True
@@ -238,9 +257,11 @@ def recorded_steady_run(tmp_path: Path) -> dict[str, Any]:
     pytest.fail("no steady run in three tries")
 
 
-def test_recorded_run_is_in_capacity_and_restored_after_a_restart(tmp_path: Path) -> None:
+def test_recorded_run_is_in_capacity_and_restored_after_a_restart(
+    tmp_path: Path, probe_python: Path
+) -> None:
     assert not (tmp_path / "sustain.db").exists()
-    run = recorded_steady_run(tmp_path)
+    run = recorded_steady_run(tmp_path, probe_python)
     database = f"sqlite:///{tmp_path / 'sustain.db'}"
     capacity = sustain("capacity", "--database", database, "--json")
     assert capacity.returncode == 0, capacity.stderr
@@ -251,7 +272,7 @@ def test_recorded_run_is_in_capacity_and_restored_after_a_restart(tmp_path: Path
 
     agent = start_agent(tmp_path, env={"SUSTAIN_PROBING__ENABLED": "false"})
     try:
-        body = agent.wait_for('stat="steady"', timeout=30)
+        body = agent.wait_for('stat="steady"', timeout=120)
     finally:
         agent.terminate()
     values: dict[str, float] = {}

@@ -9,11 +9,10 @@ Chromium opens the SQLite one (the page is the same on both: the test compares t
 from __future__ import annotations
 
 import functools
-import os
 import re
 import subprocess
 import sys
-import threading
+import tempfile
 import xml.etree.ElementTree as ET
 from collections.abc import Callable
 from pathlib import Path
@@ -22,22 +21,17 @@ import pytest
 from browser import CHROMIUM, colours, dump_dom, page_requests, screenshot
 from fleet_seed import L40S_FP32_P10, LEFT_OUT, RUNS, SEEDED_MEDIANS, seed_fleet
 from sqlalchemy import Engine
+from test_probe_analysis import slowed_probe_on_one_core
 
 from agent.archive.database import open_engine, upgrade
 from agent.archive.probe_runs import ProbeRunWriter
 from agent.cli.report import plot_probe_runs
-from agent.config.settings import ProbingSection
 from agent.probes.analysis import RunAnalysis
 from agent.probes.attribution import Attribution
-from agent.probes.devices import TelemetryCapture
 from agent.probes.protocol import Iteration
-from agent.probes.runner import CPU, ProbeDevice, ProbeRun, ProbeRunner, ProbeSpec
-from agent.probes.scheduler import ProbeScheduler
+from agent.probes.runner import ProbeDevice, ProbeRun, ProbeSpec
 from agent.reports.capacity_output import human
-from agent.telemetry.sampler import SamplerLoop
-from agent.telemetry.store import TelemetryStore
 from collectors.base import Reading, Sample
-from collectors.host import HostCollector
 
 
 def needs_chromium(test: Callable[..., None]) -> Callable[..., None]:
@@ -74,57 +68,31 @@ def element_ids(svg: Path) -> set[str]:
 # Acceptance 1: a real CPU probe slowed halfway
 
 
-def compete(stop: threading.Event) -> None:
-    """A process spinning on every CPU until ``stop``: the probe's threads now get about half
-    of the machine, a step larger than what else runs on it (other tests, other sessions)."""
-    spin = "while True: pass"
-    hogs = [subprocess.Popen([sys.executable, "-c", spin]) for _ in range(os.cpu_count() or 2)]
-    stop.wait()
-    for hog in hogs:
-        hog.kill()
-        hog.wait()
-
-
 def slowed_cpu_probe(seconds: float, at: float = 0.5) -> tuple[ProbeRun, RunAnalysis | None, float]:
-    """A real fp32 matmul on the CPU with the host sampled at 10 Hz; ``at`` (a fraction) of the
-    way through its time a process starts spinning on each core. Returns the run, its analysis
-    and when the competitor started (on the iterations' clock)."""
-    store = TelemetryStore(4096)
-    capture = TelemetryCapture()
-    loop = SamplerLoop(HostCollector(), 1.0, sinks=(store.record, capture.record), stall_seconds=30)
-    scheduler = ProbeScheduler(  # 10 Hz while the probe runs (probing.fast_interval_seconds)
-        ProbingSection(duty_cycle=1.0), ProbeRunner(), store, capture, (loop,), 1.0
-    )
-    spec = ProbeSpec("matmul", "fp32", "eager", seconds, CPU)
-    stop = threading.Event()
-    started: list[float] = []
-
-    def on_iteration(iteration: Iteration) -> None:
-        if not started:  # the first iteration: the competitor comes ``at`` of a run later
-            started.append(iteration.start)
-            threading.Timer(seconds * at, compete, args=(stop,)).start()
-
-    loop.start()
-    try:
-        run, analysis = scheduler.run_analysed(spec, True, on_iteration=on_iteration)
-    finally:
-        stop.set()
-        loop.request_stop()
-        loop.join(2)
-    return run, analysis, (started[0] if started else 0.0) + seconds * at
+    """A real fp32 matmul on one core of this CPU with the host sampled at 10 Hz; ``at`` (a
+    fraction) of the way through its time, competitors start spinning on that core, ahead of
+    the rest of this machine's load (test_probe_analysis.slowed_probe_on_one_core). Returns the
+    run, its analysis and when the competitors started (on the iterations' clock). Also what
+    bench/run_plot.py --record runs."""
+    with tempfile.TemporaryDirectory(prefix="slowed-probe-") as directory:
+        _, run, analysis, competed = slowed_probe_on_one_core(Path(directory), seconds, at)
+    return run, analysis, competed
 
 
 @needs_chromium
 def test_run_plot_of_a_cpu_probe_slowed_halfway(tmp_path: Path) -> None:
-    """The baseline is the run's own first half; the competitor must have cost throughput,
+    """The baseline is the run's own first part; the competitors must have cost throughput,
     the analysis must have found the step, and the plot must show it: the change point, the
     steady band and the CPU frequency under it; Chromium's screenshot of it is not blank. Live:
     the OS shares the core unevenly now and then, so one more attempt is allowed, never more.
+    The probe and its competitors share one core, ahead of the rest of this machine's load
+    (slowed_cpu_probe): the step does not depend on how busy it is.
 
-    The competitor starts a third of the way through the time, not halfway: the slowed
+    The competitors start a third of the way through the time, not halfway: the slowed
     iterations are longer, so a step halfway in time lies past 75% of the iterations when the
-    slowdown is 3x or more (CI's machine), and no final regime could then cover the last quarter
-    of the run, which the steady-state rule asks for."""
+    slowdown is 3x or more, and no final regime could then cover the last quarter of the run,
+    which the steady-state rule asks for. A third of the way in time is about halfway through
+    the iterations."""
     for attempt in (1, 2):
         run, analysis, halfway = slowed_cpu_probe(16.0, at=1 / 3)
         assert run.outcome == "ok", run.reason

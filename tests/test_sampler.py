@@ -6,10 +6,11 @@ the agent's own behaviour under test, not hardware, so no real source can produc
 
 from __future__ import annotations
 
+import itertools
 import math
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import pytest
 
@@ -24,11 +25,14 @@ CATALOGUE = {"scripted": {GAUGE.key: GAUGE, COUNTER.key: COUNTER}}
 
 
 class ScriptedCollector:
-    """Plays back a list of outcomes: a value, an exception to raise, or a delay in seconds."""
+    """Plays back a list of outcomes: a value, an exception to raise, a delay in seconds, or an
+    event to hang on until it is set (a minute at the most)."""
 
     name = "scripted"
 
-    def __init__(self, script: Sequence[float | Exception | tuple[str, float]]) -> None:
+    def __init__(
+        self, script: Sequence[float | Exception | tuple[str, float] | threading.Event]
+    ) -> None:
         self._script = list(script)
         self.polls: list[float] = []
         self.done = threading.Event()
@@ -47,6 +51,9 @@ class ScriptedCollector:
             raise step
         if isinstance(step, tuple):
             time.sleep(step[1])
+            step = 0.0
+        if isinstance(step, threading.Event):
+            step.wait(60)
             step = 0.0
         return [Sample("scripted", "dev0", time.time(), (Reading(GAUGE.key, step),))]
 
@@ -155,17 +162,24 @@ def test_rollup_skips_non_finite_values_and_gives_back_rows() -> None:
 
 
 def test_loop_polls_on_a_fixed_grid() -> None:
-    collector = ScriptedCollector([0.1] * 12)
-    loop = SamplerLoop(collector, 0.05, sinks=(), stall_seconds=5)
+    """Deadline-based: the n-th poll is due at start + n * interval, whatever each poll costs
+    (60% of the interval here), so there is no accumulated drift: a loop that slept an interval
+    after each poll would be 12 polls' cost (0.72 s) late by the 12th. A loaded machine makes a
+    single poll late (bounded here by half a second), or skips deadlines (counted), never
+    both."""
+    interval, cost = 0.1, 0.06
+    collector = ScriptedCollector([("slow", cost)] * 12)
+    loop = SamplerLoop(collector, interval, sinks=(), stall_seconds=5)
     loop.start()
-    assert collector.done.wait(5)
+    assert collector.done.wait(60)
     loop.request_stop()
-    assert loop.join(2)
-    gaps = [b - a for a, b in zip(collector.polls, collector.polls[1:], strict=False)]
-    # Deadline-based: the n-th poll happens at start + n * interval, no accumulated drift.
-    elapsed = collector.polls[12] - collector.polls[0]
-    assert elapsed == pytest.approx(12 * 0.05, abs=0.1)
-    assert all(gap > 0.02 for gap in gaps)
+    assert loop.join(30)
+    polls = collector.polls[:13]
+    gaps = [b - a for a, b in itertools.pairwise(polls)]
+    elapsed = polls[12] - polls[0]
+    missed = loop.status().missed_polls
+    assert elapsed <= (12 + missed) * interval + 0.5, (elapsed, missed, gaps)
+    assert all(gap >= cost for gap in gaps)  # one poll at a time, each after the last ended
 
 
 def test_loop_isolates_and_counts_failures_and_overruns() -> None:
@@ -180,9 +194,9 @@ def test_loop_isolates_and_counts_failures_and_overruns() -> None:
     collector = ScriptedCollector(script)
     loop = SamplerLoop(collector, 0.1, sinks=(seen.append,), stall_seconds=5)
     loop.start()
-    assert collector.done.wait(5)
+    assert collector.done.wait(60)
     loop.request_stop()
-    assert loop.join(2)
+    assert loop.join(30)
     status = loop.status()
     assert status.errors == {"collect": 1, "RuntimeError": 1}
     assert status.missed_polls >= 2
@@ -216,20 +230,33 @@ def test_a_failing_sink_does_not_stop_sampling() -> None:
     collector = ScriptedCollector([0.1, 0.2, 0.3])
     loop = SamplerLoop(collector, 0.02, sinks=(broken_sink,), stall_seconds=5)
     loop.start()
-    assert collector.done.wait(5)
+    assert collector.done.wait(60)
     loop.request_stop()
-    loop.join(2)
+    loop.join(30)
     assert loop.status().errors["sink"] >= 3
 
 
 def test_a_hung_poll_is_reported_as_stalled() -> None:
-    collector = ScriptedCollector([0.1, ("hang", 1.5)])
+    """A poll that hangs (until released here, not for a fixed time a loaded machine could
+    outlast before the check) is reported as stalled after 0.3 s, and no longer once the poll
+    returns."""
+    release = threading.Event()
+    collector = ScriptedCollector([0.1, release])
     loop = SamplerLoop(collector, 0.05, sinks=(), stall_seconds=0.3)
     loop.start()
-    time.sleep(0.9)
-    assert loop.status().stalled
-    assert collector.done.wait(5)
-    time.sleep(0.1)
-    assert not loop.status().stalled
+    try:
+        wait_until(lambda: len(collector.polls) == 2, "into the hanging poll")
+        wait_until(lambda: loop.status().stalled, "reported as stalled")
+    finally:
+        release.set()
+    assert collector.done.wait(60)
+    wait_until(lambda: not loop.status().stalled, "stalled no longer")
     loop.request_stop()
-    loop.join(2)
+    loop.join(30)
+
+
+def wait_until(condition: Callable[[], bool], what: str, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"not {what} within {timeout} s"
+        time.sleep(0.01)

@@ -21,6 +21,7 @@ import pytest
 from conftest import PrivatePostgres, fetch, free_port
 from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy import Engine, create_engine, text
+from test_bounded_runs import iteration_capped_python
 
 from agent.archive.database import open_engine, upgrade
 from agent.archive.sink import ArchiveSink
@@ -132,6 +133,23 @@ def gauge(body: str, name: str) -> float | None:
     return None
 
 
+def rolled_up(url: str) -> bool:
+    """A whole rollup period of the agent's is in the database."""
+    engine = create_engine(url)
+    try:
+        with engine.connect() as connection:
+            return bool(
+                connection.execute(
+                    text(
+                        "SELECT COUNT(*) FROM telemetry_rollups WHERE node = 'outage-node' "
+                        "AND field = 'cpu_utilization_ratio'"
+                    )
+                ).scalar_one()
+            )
+    finally:
+        engine.dispose()
+
+
 def test_database_outage_loses_and_doubles_nothing(
     private_postgres: PrivatePostgres, tmp_path: Path
 ) -> None:
@@ -155,10 +173,13 @@ def test_database_outage_loses_and_doubles_nothing(
             duty_cycle = 1.0
             busy_cpu_utilization = 1.0
             preempt = false  # the suite's other processes are foreign work too
+            # 40 iterations, however long a loaded machine makes them (the duration only bounds
+            # them): a run short of the analysis minimum would be a timeout, not this test's case.
+            python = "{iteration_capped_python(tmp_path, 40)}"
             [[probing.plan]]
             workload = "matmul"
             precisions = ["fp32"]
-            duration_seconds = 1
+            duration_seconds = 30
             size = "small"
             interval_seconds = 4
             jitter_seconds = 0
@@ -175,7 +196,6 @@ def test_database_outage_loses_and_doubles_nothing(
          "--listen", f"127.0.0.1:{port}", "--data-dir", str(tmp_path)],
         stdout=subprocess.DEVNULL, stderr=log, env=env,
     )  # fmt: skip
-    started = time.monotonic()
     metrics = f"http://127.0.0.1:{port}/metrics"
 
     def scrape() -> str:
@@ -196,10 +216,15 @@ def test_database_outage_loses_and_doubles_nothing(
         pytest.fail(f"{condition} not seen in {timeout} s:\n{(tmp_path / 'agent.log').read_text()}")
 
     try:
-        wait("two probe runs", lambda body: probe_runs_total(body) >= 2, 120)
+        wait("two probe runs", lambda body: probe_runs_total(body) >= 2, 240)
         # The first rollup period is partial and dropped by design: let one whole period close
-        # before the outage, so the period the outage began in is one the agent rolls up.
-        time.sleep(max(0.0, 2.5 * 10 - (time.monotonic() - started)))
+        # and reach the database before the outage, so the period the outage began in is one
+        # the agent rolls up.
+        deadline = time.monotonic() + 240
+        while not rolled_up(private_postgres.url):
+            assert agent.poll() is None, (tmp_path / "agent.log").read_text()
+            assert time.monotonic() < deadline, "no rollup period in the database in 240 s"
+            time.sleep(0.5)
         private_postgres.stop()
         outage_began = datetime.now(UTC)
         down = time.monotonic()
@@ -209,15 +234,24 @@ def test_database_outage_loses_and_doubles_nothing(
             90,
         )
         during = probe_runs_total(body)
-        time.sleep(max(0.0, 25 - (time.monotonic() - down)))  # results and rollups pile up
-        body = scrape()
+        # Results and rollups pile up: the outage lasts 25 s at least, and until the agent has
+        # gone on probing (two more runs, four in all) and has counted its failed writes.
+        body = wait(
+            "probe runs and write errors during the outage",
+            lambda body: (
+                time.monotonic() - down >= 25
+                and probe_runs_total(body) >= max(during + 2, 4)
+                and (gauge(body, "sustain_archive_write_errors_total") or 0) >= 1
+            ),
+            240,
+        )
         assert probe_runs_total(body) > during  # the agent went on probing
         assert (gauge(body, "sustain_archive_write_errors_total") or 0) >= 1
         private_postgres.start()
         outage_ended = datetime.now(UTC)
-        wait("an empty spool", lambda body: gauge(body, "sustain_archive_spool_items") == 0, 90)
+        wait("an empty spool", lambda body: gauge(body, "sustain_archive_spool_items") == 0, 240)
         agent.send_signal(signal.SIGTERM)
-        assert agent.wait(timeout=30) == 0
+        assert agent.wait(timeout=60) == 0
     finally:
         if agent.poll() is None:
             agent.kill()

@@ -37,6 +37,18 @@ def one_line(text: str, limit: int | None = MAX_PROBLEM_CHARS) -> str:
     return text if limit is None or len(text) <= limit else text[:limit] + "..."
 
 
+def quoted(value: Any) -> str:
+    """A value as a problem line quotes it: its repr, cut short, on one line."""
+    return one_line(repr(value))
+
+
+def message_naming_a_file(text: str) -> str:
+    """A validator's message, cut short; the file it ends by naming, ``(got '...')``, is kept
+    (up to a path's length): what a message ends with says where, as for TOML syntax errors."""
+    head, got, tail = text.rpartition(" (got ")
+    return f"{one_line(head)}{got}{one_line(tail, limit=4096)}" if got else one_line(text)
+
+
 def key_text(loc: Loc) -> str:
     """``probing.plan[0].workload``: the key as written in TOML, list items by index."""
     text = ""
