@@ -49,6 +49,7 @@ from agent.telemetry.store import TelemetryStore
 from collectors.base import Collector, Event, Field, Sample
 from collectors.host import HostCollector
 from collectors.nvml.collector import NvmlCollector
+from collectors.nvml.library import NvmlLibrary
 from collectors.processes import ProcessCpuMeter
 
 log = logging.getLogger(__name__)
@@ -70,7 +71,8 @@ def build_collectors(settings: Settings, runner: ProbeRunner) -> list[Collector]
     if settings.host.enabled:
         collectors.append(HostCollector(procfs=settings.host.procfs, sysfs=settings.host.sysfs))
     if settings.nvml.enabled:
-        collectors.append(NvmlCollector(own_pids=runner.child_pids))
+        library = NvmlLibrary(absent_retry_seconds=settings.nvml.absent_retry_seconds)
+        collectors.append(NvmlCollector(own_pids=runner.child_pids, library=library))
     return collectors
 
 
@@ -87,6 +89,7 @@ class Agent:
         self.runner = ProbeRunner(
             python=settings.probing.python,
             startup_timeout_seconds=settings.probing.startup_timeout_seconds,
+            grace_seconds=settings.probing.run_grace_seconds,
         )
         self.collectors = build_collectors(settings, self.runner)
         catalogue: dict[str, dict[str, Field]] = {

@@ -1,6 +1,7 @@
-"""``sustain capacity`` as a user runs it: a real process on a SQLite archive, its output piped
-(no terminal) or at COLUMNS=80, the runs it rests on and those it leaves out, and what it says
-when nothing matches."""
+"""``sustain capacity`` as a user runs it: a real process on a SQLite archive (`python -m agent`,
+forked from tests/test_database_urls.py's zygote, which spares each command its imports), its
+output piped (no terminal) or at COLUMNS=80, the runs it rests on and those it leaves out, and
+what it says when nothing matches."""
 
 from __future__ import annotations
 
@@ -8,7 +9,6 @@ import json
 import os
 import re
 import subprocess
-import sys
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 from sqlalchemy import insert
 from test_capacity import probe_run
+from test_database_urls import forked_sustain
 
 from agent.archive.database import open_engine, upgrade
 from agent.archive.models import ProbeRunRecord
@@ -53,14 +54,7 @@ def capacity(url: str, *args: str, columns: str | None = None) -> subprocess.Com
     env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
     if columns is not None:
         env["COLUMNS"] = columns
-    return subprocess.run(
-        [sys.executable, "-m", "agent", "capacity", "--database", url, *args],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env=env,
-        check=False,
-    )
+    return forked_sustain(["capacity", "--database", url, *args], env)
 
 
 def fleet() -> list[dict[str, Any]]:
@@ -208,13 +202,8 @@ def test_a_filter_that_matches_nothing_names_the_known_values(archive: str) -> N
 
 
 def test_help_documents_every_column(archive: str) -> None:
-    done = subprocess.run(
-        [sys.executable, "-m", "agent", "capacity", "--help"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=True,
-    )
+    done = forked_sustain(["capacity", "--help"], os.environ)
+    assert done.returncode == 0, done.stderr
     for column in [*HEADER, "NODE", "STACK", "--size"]:
         assert column in done.stdout, column
     assert "10th percentile" in done.stdout

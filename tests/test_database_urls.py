@@ -2,18 +2,30 @@
 
 The secrets sit in the user information (``postgresql+psycopg://u:PASSWORD@host/db``), in a query
 parameter (``?password=...``), or past an unencoded ``@`` that makes the URL ambiguous. Each is
-given to the real ``sustain`` (``python -m agent``) against a SQLite path and against the real
-PostgreSQL, with a database name that does not exist so that the errors happen, and looked for in
-everything the command prints or logs.
+given to the real ``sustain`` (``python -m agent``, each command in a process of its own forked
+from a zygote that did the imports: see ``forked_sustain``) against a SQLite path and against the
+real PostgreSQL, with a database name that does not exist so that the errors happen, and looked
+for in everything the command prints or logs.
 """
 
 from __future__ import annotations
 
+import atexit
 import hashlib
+import json
+import os
+import select
+import shutil
+import signal
 import socket
 import sqlite3
 import subprocess
+import sys
+import tempfile
+import threading
+import time
 import uuid
+from collections.abc import Mapping
 from pathlib import Path
 from urllib.parse import quote
 
@@ -22,12 +34,211 @@ from conftest import POSTGRES_SERVER, start_agent
 from hypothesis import assume, given
 from hypothesis import strategies as st
 from sqlalchemy.engine import URL
-from test_security import sustain
+from test_daemon import STARTUP_SECONDS, quick_env, ready
 
 from agent.archive.database import ArchiveError, head_revision, open_engine, upgrade
 from agent.config import database_url as urls
 
 NO_ARCHIVE = "no sustain archive here: run `sustain db upgrade`"
+
+
+# `python -m agent` without its start-up: most of a command's time (about a second of CPU, several
+# seconds of a loaded machine's) is the imports of the interpreter, SQLAlchemy, Alembic, pydantic
+# and psycopg, paid again by every command. A zygote process imports them once and forks a child
+# per command, which runs the real `python -m agent` module (runpy, as -m does) with the command's
+# arguments, environment, working directory and a fresh stdin, stdout and stderr (files, read back
+# as subprocess.run's capture), and exits as the interpreter would: SystemExit's code, a
+# traceback and 1 for an uncaught exception, atexit handlers run, non-daemon threads joined. What
+# the interpreter reads only at its start (PYTHON*, LD_*, locale and TZ variables) is the
+# zygote's: a command whose environment differs there runs as a real subprocess instead.
+
+ZYGOTE = r"""
+import atexit, json, os, runpy, sys, threading, traceback
+for name in sys.argv[1:]:
+    try:
+        __import__(name)
+    except ImportError:
+        pass
+requests = os.fdopen(os.dup(0), "r")
+replies = os.fdopen(os.dup(1), "w")
+null = os.open(os.devnull, os.O_RDWR)
+os.dup2(null, 0)
+os.dup2(null, 1)
+print("{}", file=replies, flush=True)
+for line in requests:
+    request = json.loads(line)
+    pid = os.fork()
+    if pid == 0:
+        requests.close()
+        replies.close()
+        os.chdir(request["cwd"])
+        os.environ.clear()
+        os.environ.update(request["env"])
+        create = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+        for fd, path, flags in ((0, os.devnull, os.O_RDONLY), (1, request["stdout"], create),
+                                (2, request["stderr"], create)):
+            opened = os.open(path, flags, 0o600)
+            os.dup2(opened, fd)
+            os.close(opened)
+        sys.argv = ["-m", *request["args"]]
+        code = 0
+        try:
+            runpy.run_module("agent", run_name="__main__", alter_sys=True)
+        except SystemExit as exc:
+            if isinstance(exc.code, int):
+                code = exc.code
+            elif exc.code is not None:
+                print(exc.code, file=sys.stderr)
+                code = 1
+        except BaseException:
+            traceback.print_exc()
+            code = 1
+        try:
+            for thread in threading.enumerate():
+                if thread is not threading.main_thread() and not thread.daemon:
+                    thread.join()
+            atexit._run_exitfuncs()
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os._exit(code & 0xFF)
+    print(json.dumps({"pid": pid}), file=replies, flush=True)
+    _, status = os.waitpid(pid, 0)
+    print(json.dumps({"code": os.waitstatus_to_exitcode(status)}), file=replies, flush=True)
+"""
+# What the commands import, imported once by the zygote (a name that is gone is skipped).
+ZYGOTE_PRELOAD = (
+    "agent.cli.main",
+    "agent.cli.fleet",
+    "agent.cli.health",
+    "agent.config.settings",
+    "agent.archive.database",
+    "agent.reports.capacity",
+    "agent.drift.detect",
+    "agent.daemon",
+    "sqlalchemy.dialects.postgresql.psycopg",
+    "sqlalchemy.dialects.sqlite.pysqlite",
+)
+_STARTUP_VARIABLES = ("PYTHON", "LD_", "LANG", "LC_", "TZ")
+
+
+class _Zygote:
+    """One zygote per test process, started at its first command, gone with the process."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._process: subprocess.Popen[bytes] | None = None
+        self._startup: dict[str, str] = {}
+        self._pending = b""
+
+    @staticmethod
+    def _startup_of(env: Mapping[str, str]) -> dict[str, str]:
+        return {k: v for k, v in env.items() if k.startswith(_STARTUP_VARIABLES)}
+
+    def _reply(self, deadline: float | None) -> dict[str, int] | None:
+        assert self._process is not None
+        assert self._process.stdout is not None
+        fd = self._process.stdout.fileno()
+        while b"\n" not in self._pending:
+            wait = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not select.select([fd], [], [], wait)[0]:
+                return None
+            chunk = os.read(fd, 4096)
+            if not chunk:
+                raise EOFError("the zygote ended")
+            self._pending += chunk
+        line, self._pending = self._pending.split(b"\n", 1)
+        reply: dict[str, int] = json.loads(line)
+        return reply
+
+    def _start(self, env: Mapping[str, str]) -> None:
+        self.close()
+        self._process = subprocess.Popen(
+            [sys.executable, "-c", ZYGOTE, *ZYGOTE_PRELOAD],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            env=dict(env),
+        )
+        self._startup = self._startup_of(env)
+        self._pending = b""
+        self._reply(time.monotonic() + 120)  # imported
+
+    def close(self) -> None:
+        if self._process is not None:
+            self._process.kill()
+            self._process.wait()
+            self._process = None
+
+    def run(
+        self, args: tuple[str, ...], env: Mapping[str, str], timeout: float
+    ) -> subprocess.CompletedProcess[str] | None:
+        """The command's result, or None where it must run as a real subprocess."""
+        with self._lock:
+            if self._process is None or self._process.poll() is not None:
+                self._start(env)
+            elif self._startup_of(env) != self._startup:
+                return None
+            assert self._process is not None
+            assert self._process.stdin is not None
+            directory = Path(tempfile.mkdtemp(prefix="sustain-zygote-"))
+            try:
+                out, err = directory / "stdout", directory / "stderr"
+                request = {
+                    "args": args,
+                    "env": dict(env),
+                    "cwd": os.getcwd(),
+                    "stdout": str(out),
+                    "stderr": str(err),
+                }
+                self._process.stdin.write(json.dumps(request).encode() + b"\n")
+                self._process.stdin.flush()
+                reply = self._reply(time.monotonic() + 120)
+                assert reply is not None, "the zygote did not fork"
+                pid = reply["pid"]
+                done = self._reply(time.monotonic() + timeout)
+                if done is None:
+                    os.kill(pid, signal.SIGKILL)
+                    self._reply(None)
+                    raise subprocess.TimeoutExpired(
+                        ["sustain", *args], timeout, out.read_text(), err.read_text()
+                    )
+                return subprocess.CompletedProcess(
+                    ["sustain", *args], done["code"], out.read_text(), err.read_text()
+                )
+            finally:
+                shutil.rmtree(directory, ignore_errors=True)
+
+
+_ZYGOTE = _Zygote()
+atexit.register(_ZYGOTE.close)
+
+
+def forked_sustain(
+    args: tuple[str, ...] | list[str], env: Mapping[str, str], timeout: float = 60
+) -> subprocess.CompletedProcess[str]:
+    """`python -m agent ARGS` in the environment ``env`` (the whole of it), stdout and stderr
+    captured as text: forked from the zygote, or a real subprocess where it must be."""
+    done = _ZYGOTE.run(tuple(args), env, timeout)
+    if done is not None:
+        return done
+    return subprocess.run(
+        [sys.executable, "-m", "agent", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=dict(env),
+        check=False,
+    )
+
+
+def sustain(
+    *args: str, env: Mapping[str, str] | None = None, timeout: float = 60
+) -> subprocess.CompletedProcess[str]:
+    """`python -m agent ARGS` as tests/test_security.py's ``sustain`` runs it (this process's
+    environment without SUSTAIN_* and FAKENVML_*, plus ``env``), forked from the zygote."""
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith(("SUSTAIN_", "FAKENVML_"))}
+    full_env.update(env or {})
+    return forked_sustain(args, full_env, timeout)
 
 
 def one_error_line(result: subprocess.CompletedProcess[str]) -> str:
@@ -256,11 +467,12 @@ def test_the_password_p_leaves_the_rest_of_the_message_alone(postgres_admin: obj
 
 
 def agent_log(tmp_path: Path, url: str) -> str:
-    """What `sustain run` on ``url`` logs from its start to a clean stop."""
-    agent = start_agent(tmp_path, "--database", url)
+    """What `sustain run` on ``url`` logs from its start to a clean stop (the stack's torch
+    facts from the stand-in interpreter: the URL never reaches the probe children)."""
+    agent = start_agent(tmp_path, "--database", url, env=quick_env(tmp_path))
     try:
-        agent.wait_ready()
-        agent.wait_for("sustain_stack_info", timeout=60)  # a stop waits for the stack read
+        ready(agent)
+        agent.wait_for("sustain_stack_info", timeout=STARTUP_SECONDS)  # a stop waits for it
     finally:
         code, _, log = agent.terminate()
     assert code == 0, log

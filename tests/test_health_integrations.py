@@ -28,6 +28,7 @@ from typing import Any
 
 import pytest
 from conftest import Running, start_agent
+from test_daemon import STARTUP_SECONDS, quick_env
 
 ROOT = Path(__file__).resolve().parents[1]
 NPD_CONFIG = ROOT / "deploy" / "node-problem-detector" / "sustain-health.json"
@@ -204,7 +205,10 @@ def run_as_npd(metrics_url: str, env: Mapping[str, str]) -> PluginResult:
     (rule,) = config["rules"]
     args = list(rule["args"])
     args[args.index("--metrics") + 1] = metrics_url
-    timeout = min(go_duration(rule["timeout"]), go_duration(plugin["timeout"]))
+    # NPD gives the command min(rule, plugin timeout) = 15 s, a node's deadline (checked against
+    # the invoke interval above); a test machine shared by parallel workers can take longer to
+    # start a Python process, so the test waits longer, and answers "Unknown" only past that.
+    timeout = max(min(go_duration(rule["timeout"]), go_duration(plugin["timeout"])), 120)
     try:
         done = subprocess.run(
             [str(SUSTAIN), *args],
@@ -264,10 +268,11 @@ def fake_node(fake_nvml: Path, tmp_path: Path) -> Iterator[StartNode]:
             directory,
             "--config",
             str(directory / "sustain.toml"),
-            env={
-                "LD_LIBRARY_PATH": str(fake_nvml.parent),
-                "FAKENVML_SCENARIO": str(directory / "node.scn"),
-            },
+            env=quick_env(
+                directory,
+                LD_LIBRARY_PATH=str(fake_nvml.parent),
+                FAKENVML_SCENARIO=str(directory / "node.scn"),
+            ),
         )
         agents.append(agent)
         return agent
@@ -280,7 +285,7 @@ def fake_node(fake_nvml: Path, tmp_path: Path) -> Iterator[StartNode]:
 
 def test_npd_rule_reports_a_healthy_fake_node_ok(fake_node: StartNode) -> None:
     agent = fake_node(HEALTHY_NODE)
-    agent.wait_for('sustain_device_health{device="1",state="healthy"')
+    agent.wait_for('sustain_device_health{device="1",state="healthy"', timeout=STARTUP_SECONDS)
     result = run_as_npd(f"{agent.base}/metrics", plain_env())
     assert result.status == "OK", result
     assert result.message.startswith("healthy:"), result
@@ -288,7 +293,7 @@ def test_npd_rule_reports_a_healthy_fake_node_ok(fake_node: StartNode) -> None:
 
 def test_npd_rule_reports_an_xid_on_a_fake_node_nonok(fake_node: StartNode) -> None:
     agent = fake_node(XID_NODE)
-    agent.wait_for('reason="xid_79"', timeout=30)
+    agent.wait_for('reason="xid_79"', timeout=STARTUP_SECONDS)
     result = run_as_npd(f"{agent.base}/metrics", plain_env())
     assert result.status == "NonOK", result
     # sustain kept within NPD's limit by itself: NPD's cut changed nothing.
@@ -418,7 +423,7 @@ def healthcheck(node: SlurmNode, status: int, summary: str, **env: str) -> None:
         env=node.env(**settings),
         capture_output=True,
         text=True,
-        timeout=60,
+        timeout=180,
         check=False,
     )
     assert done.returncode == 0, done.stdout + done.stderr
@@ -513,11 +518,14 @@ def test_healthcheck_names_the_node_by_its_short_host_name(slurm_node: SlurmNode
 
 def healthcheck_live(node: SlurmNode, agent: Running) -> None:
     """The HealthCheckProgram with this checkout's real sustain, configured (as
-    /etc/sustain/sustain.toml would) to ask ``agent`` and read its archive."""
+    /etc/sustain/sustain.toml would) to ask ``agent`` and read its archive. Its time limit for
+    `sustain health` (30 s, slurmd's 60 s halved) is raised: a test machine shared by parallel
+    workers may take longer than a node to start a Python process."""
     healthcheck(
         node,
         0,
         "",
+        SUSTAIN_HEALTH_TIMEOUT="120",
         SUSTAIN=str(SUSTAIN),
         SUSTAIN_EXPORTER__LISTEN=f"127.0.0.1:{agent.port}",
         SUSTAIN_AGENT__DATA_DIR=str(agent.data_dir),
@@ -530,7 +538,8 @@ def test_healthcheck_drains_and_resumes_with_a_live_fake_node(
     """The real `sustain health` against agents on the fake driver: the GPU with an XID drains
     the node, the healthy node then resumes it. Only scontrol and logger are stand-ins."""
     sick = fake_node(XID_NODE)
-    sick.wait_for('reason="xid_79"', timeout=30)
+    well = fake_node(HEALTHY_NODE)  # started beside it, so that it is up when its turn comes
+    sick.wait_for('reason="xid_79"', timeout=STARTUP_SECONDS)
     healthcheck_live(slurm_node, sick)
     (update,) = slurm_node.updates()
     assert update[:3] == ["update", "NodeName=gpu-node-1", "State=DRAIN"]
@@ -538,8 +547,7 @@ def test_healthcheck_drains_and_resumes_with_a_live_fake_node(
     sick.terminate()
 
     slurm_node.show("IDLE+DRAIN", f"{update[3].removeprefix('Reason=')} [root@2026-01-05]")
-    well = fake_node(HEALTHY_NODE)
-    well.wait_for('sustain_device_health{device="1",state="healthy"')
+    well.wait_for('sustain_device_health{device="1",state="healthy"', timeout=STARTUP_SECONDS)
     healthcheck_live(slurm_node, well)
     assert slurm_node.updates()[1:] == [RESUME]
 

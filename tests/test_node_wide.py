@@ -1,11 +1,16 @@
 """Node-wide probes (issue 15): every device of the node at once behind a start barrier, the node's
 series, and the coupling ratio of each device against its solo run.
 
-The acceptance runs real matmul children on this CPU through the wrapper interpreter that stands a
-fake GPU's probe on the CPU (``--device cuda:0`` becomes ``--device cpu``). Two fake GPUs give two
-children sharing this machine's cores, as GPUs share a chassis' power and airflow: each keeps well
-under its solo throughput. One fake GPU gives a node-wide run that is its solo run again: a ratio
-near 1. The mechanism is measured on real contention, against a baseline taken in the same test.
+The scheduler's tests stand a fake GPU's probe on a scripted child (``CONTENDED``, through the
+probe interpreter): it speaks the workloads' protocol and keeps real time, its throughput scripted
+to lose a share to each neighbour it is measured beside, as children sharing a machine's cores (or
+GPUs a chassis' power and airflow) do. Two fake GPUs: each keeps half its solo throughput; one:
+its node-wide run is its solo run again, a ratio of 1. The figures are what the mechanism (barrier,
+node series, coupling, its cause, /metrics) makes of known series, on any machine: measured on
+real contention, a ratio moves with whatever else the machine runs (CI saw 1.20 for 1, and 0.92
+for about 0.5 beside a busy core), which no assertion can hold. `sustain probe --node` runs real
+matmul children on this CPU (``--device cuda:0`` becomes ``--device cpu``) end to end, and the
+start barrier is tested with children of the test's own.
 """
 
 from __future__ import annotations
@@ -41,21 +46,74 @@ GPU0 = "GPU-0a000000-0000-4000-8000-00000000000a"
 GPU1 = "GPU-1b000000-0000-4000-8000-00000000000b"
 
 
+# The grace a measured run has past its duration before it is killed (3 s by default): on a
+# machine shared with other work a child may wait seconds for a core in its last iteration, which
+# is a run cut short here, not a result.
+LOADED_GRACE_SECONDS = 60.0
+
+
 def _plan(scope: str) -> dict[str, object]:
     return {
         "workload": "matmul",
         "precisions": ["fp32"],
-        # The default size, shrunk until the analysis minimum fits (iterations of ~0.1 s): the
-        # tiny "small" matmul times microseconds, at the mercy of every other process.
-        "duration_seconds": 6.0,
+        # 80 of the scripted child's iterations, four one-second windows (p10 and p50 need three)
+        "duration_seconds": 4.0,
         "interval_seconds": 3600,
         "scope": scope,
     }
 
 
+# The probe interpreter of the scheduler's tests: `-m workloads run` is scripted (the rest, the
+# analysis child, runs on this interpreter), each child written down as conftest's wrapper does.
+# A run of DURATION seconds from its release: iterations of STEP seconds, the first WARMUP at half
+# speed, then SOLO_RATE with a little scripted noise, divided by 1 + --neighbours.
+CONTENDED = """#!{python}
+import json, os, sys, time
+args = sys.argv[1:]
+with open({log!r}, "a") as out:
+    out.write(json.dumps({{"gpus": os.environ.get("CUDA_VISIBLE_DEVICES"), "argv": args}}))
+    out.write("\\n")
+if args[:3] != ["-m", "workloads", "run"]:
+    os.execv({python!r}, [{python!r}, *args])
+def option(name, default):
+    return type(default)(args[args.index(name) + 1]) if name in args else default
+duration, neighbours = option("--duration", 1.0), option("--neighbours", 0)
+def say(message):
+    print(json.dumps(message), flush=True)
+say({{"event": "manifest", "workload": "matmul", "unit": "FLOP/s", "work_unit": "flop"}})
+if "--start-on-stdin" in args:
+    sys.stdin.readline()
+step, warmup, rate = {step!r}, {warmup!r}, {rate!r} / (1 + neighbours)
+count = round(duration / step)
+begin = time.time()
+for index in range(count):
+    start, end = begin + index * step, begin + (index + 1) * step
+    time.sleep(max(0.0, end - time.time()))
+    speed = 0.5 if index < warmup else 1 + 0.002 * (index * 7 % 5 - 2)
+    say({{"event": "iteration", "index": index, "start": start, "end": end,
+          "work": rate * speed * step}})
+say({{"event": "result", "iterations": count, "throughput": rate}})
+"""
+STEP, WARMUP, SOLO_RATE = 0.05, 8, 1e12
+
+
+def contended_wrapper(directory: Path) -> tuple[Path, Path]:
+    """The scripted probe interpreter in ``directory`` and the file its JSON lines go to (the
+    same as conftest's ``cpu_wrapper``, so that ``wrapped_runs`` reads it)."""
+    log = directory / "children.jsonl"
+    wrapper = directory / "probe-python"
+    wrapper.write_text(
+        CONTENDED.format(
+            python=sys.executable, log=str(log), step=STEP, warmup=WARMUP, rate=SOLO_RATE
+        )
+    )
+    wrapper.chmod(0o755)
+    return wrapper, log
+
+
 def _node(scenario: Scenario, tmp_path: Path, gpus: str) -> tuple[ProbeScheduler, SamplerLoop]:
     _, collector = scenario(gpus, 1.0)
-    wrapper, _ = cpu_wrapper(tmp_path)
+    wrapper, _ = contended_wrapper(tmp_path)
     store = TelemetryStore(64)
     capture = TelemetryCapture()
     loop = SamplerLoop(collector, 1.0, sinks=(store.record, capture.record), stall_seconds=30)
@@ -63,7 +121,9 @@ def _node(scenario: Scenario, tmp_path: Path, gpus: str) -> tuple[ProbeScheduler
     settings = ProbingSection.model_validate(
         {"plan": [_plan("device"), _plan("node")], "busy_cpu_utilization": 1.0}
     )
-    runner = ProbeRunner(python=str(wrapper), startup_timeout_seconds=120)
+    runner = ProbeRunner(
+        python=str(wrapper), startup_timeout_seconds=120, grace_seconds=LOADED_GRACE_SECONDS
+    )
     return ProbeScheduler(settings, runner, store, capture, (loop,), 1.0), loop
 
 
@@ -99,7 +159,7 @@ def test_two_gpus_sharing_the_cores_lose_to_each_other_and_the_runs_overlap(
     assert len({run.group for run in runs}) == 1
     assert runs[0].group is not None
     # One child per GPU, each given its own GPU, started with the barrier's flag.
-    _, log = cpu_wrapper(tmp_path)
+    log = tmp_path / "children.jsonl"
     node_children = [child for child in wrapped_runs(log) if "--start-on-stdin" in child["argv"]]
     assert sorted(child["gpus"] for child in node_children) == [GPU0, GPU1]
     # Each sized for the one neighbour it is measured beside.
@@ -118,8 +178,8 @@ def test_two_gpus_sharing_the_cores_lose_to_each_other_and_the_runs_overlap(
     status = scheduler.status()
     ratios = {key[3]: coupling.ratio for key, coupling in status.coupling.items()}
     assert set(ratios) == {"0", "1", "node"}, ratios
-    assert ratios["0"] < 0.8, ratios
-    assert ratios["1"] < 0.8, ratios
+    # Each kept half its solo throughput beside the other, and so did the node as a whole.
+    assert ratios == pytest.approx({"0": 0.5, "1": 0.5, "node": 0.5}, abs=0.01), ratios
     # Clock readings held (the fake GPUs' clocks do not move): the loss is the host's.
     causes = {key[3]: coupling.cause for key, coupling in status.coupling.items()}
     assert causes["0"] == causes["1"] == "host_contention", status.coupling
@@ -137,26 +197,15 @@ def test_two_gpus_sharing_the_cores_lose_to_each_other_and_the_runs_overlap(
 
 
 def test_a_node_wide_run_on_one_gpu_is_its_solo_run(scenario: Scenario, tmp_path: Path) -> None:
-    """Within 10% of 1: a pair of runs (solo, then node-wide) on this shared 2-core machine can
-    differ by more than that (CI saw 1.20 once), so up to three pairs are taken and the first
-    that lands counts. A mechanism biased away from 1 (a statistic mixed up, a share of the
-    cores lost) misses in all three; the two-GPU test's ratio of about 0.5 needs no retry."""
+    """A ratio of 1: the same series, measured alone and node-wide. A mechanism biased away from
+    1 misses it: a statistic mixed up (the series' warm-up puts its peak, median, p10 and steady
+    value apart), or a share of the cores lost (a child told of a neighbour it does not have
+    runs at half speed)."""
     scheduler, loop = _node(scenario, tmp_path, f"device 0 uuid {GPU0}\n")
-    seen = []
-    loop.start()
-    try:
-        for _ in range(3):
-            runs = _pair(scheduler)
-            assert [run.outcome for run in runs] == ["ok", "ok"], [run.reason for run in runs]
-            coupling = {key[3]: c.ratio for key, c in scheduler.status().coupling.items()}
-            seen.append(coupling)
-            if all(0.9 <= coupling[device] <= 1.1 for device in ("0", "node")):
-                break
-        else:
-            pytest.fail(f"no pair of runs within 0.9 to 1.1: {seen}")
-    finally:
-        loop.request_stop()
-        loop.join(5)
+    runs = _solo_then_node(scheduler, loop)
+    assert [run.outcome for run in runs] == ["ok", "ok"], [run.reason for run in runs]
+    coupling = {key[3]: c.ratio for key, c in scheduler.status().coupling.items()}
+    assert coupling == pytest.approx({"0": 1.0, "node": 1.0}, abs=0.01), coupling
 
 
 def test_a_node_wide_run_is_skipped_whole_when_one_gpu_is_busy(
@@ -169,8 +218,7 @@ def test_a_node_wide_run_is_skipped_whole_when_one_gpu_is_busy(
     assert run.outcome == "skipped"
     assert run.spec.scope == "node_total"
     assert "foreign compute process(es) on GPU 1" in run.reason
-    _, log = cpu_wrapper(tmp_path)
-    assert wrapped_runs(log) == []  # no child started on either GPU
+    assert wrapped_runs(tmp_path / "children.jsonl") == []  # no child started on either GPU
 
 
 # The start barrier, with children of the test's own: the second takes 2 s longer to start.
@@ -305,7 +353,9 @@ def test_sustain_probe_node_shows_each_gpu_against_its_solo_run(
     the node-wide runs with each GPU's coupling, and the node's sum."""
     wrapper, _ = cpu_wrapper(tmp_path)
     (tmp_path / "gpus.scn").write_text(f"device 0 uuid {GPU0}\ndevice 1 uuid {GPU1}\n")
-    (tmp_path / "sustain.toml").write_text(f'[probing]\npython = "{wrapper}"\n')
+    (tmp_path / "sustain.toml").write_text(
+        f'[probing]\npython = "{wrapper}"\nrun_grace_seconds = {LOADED_GRACE_SECONDS}\n'
+    )
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SUSTAIN_", "FAKENVML_"))}
     env |= {
         "LD_LIBRARY_PATH": str(fake_nvml.parent),

@@ -6,8 +6,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
-import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -15,6 +13,8 @@ from typing import Any
 import pytest
 from conftest import start_agent
 from sqlalchemy import text
+from test_daemon import STARTUP_SECONDS
+from test_database_urls import forked_sustain
 
 from agent.archive.database import open_engine
 from collectors.nvml.library import NvmlLibrary
@@ -208,18 +208,13 @@ def test_credentials_never_reach_snapshot_archive_or_metrics(tmp_path: Path) -> 
     env = {**SECRETS, "CUDA_CACHE_MAXSIZE": "4294967296"}
     running = start_agent(tmp_path, env=env)
     try:
-        body = running.wait_for("sustain_stack_info{", timeout=120)
+        body = running.wait_for("sustain_stack_info{", timeout=STARTUP_SECONDS)
     finally:
         code, _, err = running.terminate()
     assert code == 0, err
-    shown = subprocess.run(
-        [sys.executable, "-m", "agent", "stack", "show", "--json"],
-        capture_output=True,
-        text=True,
-        env={**os.environ, **env},
-        timeout=120,
-        check=True,
-    ).stdout
+    done = forked_sustain(["stack", "show", "--json"], {**os.environ, **env}, timeout=120)
+    assert done.returncode == 0, done.stderr
+    shown = done.stdout
     archived = b"".join(path.read_bytes() for path in tmp_path.glob("*.db*"))
     engine = open_engine(f"sqlite:///{tmp_path}/sustain.db")
     try:

@@ -369,6 +369,7 @@ def run_probes(settings: Settings, request: Request, as_json: bool) -> int:
     runner = ProbeRunner(
         python=settings.probing.python,
         startup_timeout_seconds=settings.probing.startup_timeout_seconds,
+        grace_seconds=settings.probing.run_grace_seconds,
     )
     store = TelemetryStore(settings.sampler.buffer_samples)
     capture = TelemetryCapture()

@@ -36,7 +36,7 @@ from sqlalchemy.engine import URL
 from sqlalchemy.exc import NoSuchModuleError
 
 from agent.config import database_url as urls
-from agent.config import names, webconfig
+from agent.config import names, problems, webconfig
 from agent.config.problems import Sources, environment_json_lines, one_line, problem_line
 
 ENV_PREFIX = "SUSTAIN_"
@@ -216,6 +216,7 @@ class NvmlSection(_Section):
         default=True,
         description="Collect NVIDIA GPU telemetry through NVML (reported down where no driver).",
     )
+    absent_retry_seconds: float = Field(default=60.0, gt=0, le=300, description="NVML lookup wait.")
 
 
 OPTIMIZATIONS = ("eager", "compiled")
@@ -370,6 +371,7 @@ class ProbingSection(_Section):
         gt=0,
         description="Time a probe child may take beyond its duration (start-up, torch.compile).",
     )
+    run_grace_seconds: float = Field(default=3.0, gt=0, description="A run's overrun, at most.")
     fast_interval_seconds: float = Field(
         default=0.1, gt=0, le=10, description="Sampling interval while a probe runs."
     )
@@ -479,10 +481,7 @@ class HealthSection(_Section):
         "peers' median (same model, stack, probe and size) is degraded.",
     )
     baseline_runs: int = Field(
-        default=2,
-        ge=1,
-        le=20,
-        description="How many consecutive runs must be below the baseline.",
+        default=2, ge=1, le=20, description="How many consecutive runs must be below the baseline."
     )
     baseline_min_peers: int = Field(
         default=3, ge=1, le=1000, description="Fewest peer devices that make a baseline."
@@ -539,7 +538,7 @@ class ArchiveSection(_Section):
     )
     rollup_seconds: int = Field(
         default=60,
-        ge=10,
+        ge=1,
         le=3600,
         description="Length of one telemetry rollup period (one row per device field per period).",
     )
@@ -567,7 +566,7 @@ class ArchiveSection(_Section):
     )
     fleet_rollup_seconds: int | None = Field(
         default=None,
-        ge=10,
+        ge=1,
         le=86_400,
         description="With a PostgreSQL archive: also send the fleet database rollups of this "
         "coarser period (e.g. 3600); unset sends none (dense telemetry is Prometheus' job).",
@@ -723,11 +722,12 @@ def read_toml(path: Path) -> dict[str, Any]:
 
 def _problem_lines(error: ValidationError, sources: Sources) -> list[str]:
     # Keys, messages and values come from the user: each is cut short and kept on one line.
-    return [problem_line(item, sources.where(item["loc"]), _shown) for item in error.errors()]
-
-
-def _shown(value: Any) -> str:
-    return one_line(repr(value))
+    return [
+        problem_line(
+            item, sources.where(item["loc"]), problems.quoted, problems.message_naming_a_file
+        )
+        for item in error.errors()
+    ]
 
 
 def load(

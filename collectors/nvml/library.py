@@ -26,10 +26,10 @@ from collectors.base import CollectorError, SourceUnavailable
 
 log = logging.getLogger(__name__)
 
-# Where NVML is not installed, it is looked for again after ABSENT_RETRY_SECONDS, the wait
-# doubling up to ABSENT_RETRY_MAX_SECONDS: a driver loaded after the agent started (a GPU
-# operator's driver container) is picked up within the cap, and a CPU-only node pays one dlopen
-# every few minutes.
+# Where NVML is not installed, it is looked for again after ABSENT_RETRY_SECONDS (the default of
+# nvml.absent_retry_seconds), the wait doubling up to ABSENT_RETRY_MAX_SECONDS: a driver loaded
+# after the agent started (a GPU operator's driver container) is picked up within the cap, and a
+# CPU-only node pays one dlopen every few minutes.
 ABSENT_RETRY_SECONDS = 60.0
 ABSENT_RETRY_MAX_SECONDS = 300.0
 # How often a driver that is there but failed to start is tried again.
@@ -109,10 +109,18 @@ class NvmlLibrary:
     """The choke point: lazy init under a lock, shutdown at exit, one meaning per error code.
 
     ``clock`` (monotonic seconds) times the retries of a failed start; tests pass their own.
+    ``absent_retry_seconds`` is the first wait before NVML is looked for again where it is not
+    installed (``nvml.absent_retry_seconds``); the wait doubles from there up to
+    ``ABSENT_RETRY_MAX_SECONDS``.
     """
 
-    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        clock: Callable[[], float] = time.monotonic,
+        absent_retry_seconds: float = ABSENT_RETRY_SECONDS,
+    ) -> None:
         self._clock = clock
+        self._absent_retry_seconds = absent_retry_seconds
         self._lock = threading.Lock()
         self._started = False
         self._missing: set[str] = set()
@@ -157,9 +165,10 @@ class NvmlLibrary:
             return
         self._failure = f"NVML unavailable: {exc}"
         if self._absent_wait:
-            self._absent_wait = min(2 * self._absent_wait, ABSENT_RETRY_MAX_SECONDS)
+            longest = max(ABSENT_RETRY_MAX_SECONDS, self._absent_retry_seconds)
+            self._absent_wait = min(2 * self._absent_wait, longest)
         else:
-            self._absent_wait = ABSENT_RETRY_SECONDS
+            self._absent_wait = self._absent_retry_seconds
         self._retry_at = now + self._absent_wait
         if reason != self._absent:
             log.info(
