@@ -372,6 +372,7 @@ def test_sustain_probe_bf16_for_2_s_is_bounded_and_never_ok_with_one_iteration()
         assert manifest["size"].startswith("default/")  # shrunk: 2048^3 takes about a minute
 
 
+@pytest.mark.slow  # a whole probe command end to end (left out of the quick tier)
 def test_sustain_probe_runs_the_default_plan_without_what_the_cpu_lacks() -> None:
     done, _ = sustain_probe(
         "--workload", "matmul", "--duration", "1", "--size", "small", "--device", "cpu",

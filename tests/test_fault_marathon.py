@@ -25,6 +25,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
 from conftest import PrivatePostgres, fetch, free_port
 from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy import create_engine, text
@@ -85,6 +86,7 @@ def metric_sum(body: str, name: str, **labels: str) -> float:
     )
 
 
+@pytest.mark.slow  # end-to-end: agents, outages, faults (left out of the quick tier)
 def test_every_fault_at_once(
     fake_nvml: Path, private_postgres: PrivatePostgres, tmp_path: Path
 ) -> None:

@@ -19,6 +19,7 @@ import textwrap
 import time
 from pathlib import Path
 
+import pytest
 from conftest import fetch, free_port
 
 ROUNDS = 4
@@ -60,6 +61,7 @@ def finished_runs(log: Path) -> int:
     )
 
 
+@pytest.mark.slow  # end-to-end: agents, outages, faults (left out of the quick tier)
 def test_kill_9_during_probes_and_writes_loses_nothing(tmp_path: Path) -> None:
     config = tmp_path / "sustain.toml"
     config.write_text(

@@ -16,6 +16,7 @@ import time
 from datetime import datetime
 from pathlib import Path
 
+import pytest
 from conftest import fetch, free_port
 from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy import create_engine, text
@@ -77,6 +78,7 @@ def run_together(agents: list[tuple[subprocess.Popen[bytes], int, Path]]) -> Non
         time.sleep(1.0)
 
 
+@pytest.mark.slow  # end-to-end: agents, outages, faults (left out of the quick tier)
 def test_eight_agents_write_one_database_at_once(postgres_url: str, tmp_path: Path) -> None:
     engine = open_engine(postgres_url)
     upgrade(engine)

@@ -162,6 +162,7 @@ def _events(data: Path, kind: str) -> list[EventRecord]:
     return rows  # type: ignore[return-value]
 
 
+@pytest.mark.slow  # a whole probe command end to end (left out of the quick tier)
 def test_each_rule_on_the_fake_driver_and_sustain_health(
     fake_node: tuple[Running, list[str]],
 ) -> None:

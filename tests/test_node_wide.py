@@ -346,6 +346,7 @@ def test_scope_is_checked_in_the_plan() -> None:
         ProbingSection.model_validate({"plan": [{**_plan("device"), "scope": "rack"}]})
 
 
+@pytest.mark.slow  # a whole probe command end to end (left out of the quick tier)
 def test_sustain_probe_node_shows_each_gpu_against_its_solo_run(
     fake_nvml: Path, tmp_path: Path
 ) -> None:

@@ -394,6 +394,7 @@ def requests(body: str) -> dict[str, float]:
     }
 
 
+@pytest.mark.slow  # a whole probe command end to end (left out of the quick tier)
 def test_the_agent_names_the_pod_on_each_gpu(
     fake_nvml: Path, tmp_path: Path, socket_dir: Path
 ) -> None:

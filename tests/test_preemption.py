@@ -377,6 +377,7 @@ def test_the_gpu_watch_names_what_arrived_and_where(sleeper: subprocess.Popen[by
     )
 
 
+@pytest.mark.slow  # a whole probe command end to end (left out of the quick tier)
 def test_a_gpu_probe_yields_to_a_process_that_appears_on_its_gpu(
     gpu_node: Callable[..., GpuNode], sleeper: subprocess.Popen[bytes]
 ) -> None:

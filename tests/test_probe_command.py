@@ -79,6 +79,7 @@ def probe_python(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return iteration_capped_python(tmp_path_factory.mktemp("probe-python"), PROBE_ITERATIONS)
 
 
+@pytest.mark.slow  # a whole probe command end to end (left out of the quick tier)
 @pytest.mark.parametrize("columns", [80, None])
 def test_probe_shows_the_answer_in_80_columns(
     tmp_path: Path, columns: int | None, probe_python: Path
@@ -103,6 +104,7 @@ def test_probe_shows_the_answer_in_80_columns(
         assert "of peak (steady / peak)" in text
 
 
+@pytest.mark.slow  # a whole probe command end to end (left out of the quick tier)
 def test_probe_json_carries_every_figure(tmp_path: Path, probe_python: Path) -> None:
     done = sustain(*PROBE, "--json", "--data-dir", str(tmp_path), python=probe_python)
     assert done.returncode == 0, done.stderr
@@ -257,6 +259,7 @@ def recorded_steady_run(tmp_path: Path, python: Path) -> dict[str, Any]:
     pytest.fail("no steady run in three tries")
 
 
+@pytest.mark.slow  # end-to-end: agents, outages, faults (left out of the quick tier)
 def test_recorded_run_is_in_capacity_and_restored_after_a_restart(
     tmp_path: Path, probe_python: Path
 ) -> None:

@@ -402,6 +402,7 @@ def test_the_daemon_process_never_imports_torch() -> None:
     assert workloads.split() == ["workloads", "workloads.catalog"]
 
 
+@pytest.mark.slow  # a whole probe command end to end (left out of the quick tier)
 def test_sustain_probe_json_from_the_command_line(tmp_path: Path) -> None:
     """Acceptance 4 (on this CPU): the manifest and the per-iteration count, as JSON. The child
     stops after 45 iterations (probing.python, a wrapper), within a duration that only bounds
@@ -458,6 +459,7 @@ def sustain_probe(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+@pytest.mark.slow  # a whole probe command end to end (left out of the quick tier)
 def test_sustain_probe_reports_each_precision_against_the_best() -> None:
     """Each precision's throughput is put against the device's best one, so a slow fallback path
     (fp16 on this CPU) shows as a ratio, not as an error; fp8 cannot run here: unsupported, with

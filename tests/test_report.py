@@ -79,6 +79,7 @@ def slowed_cpu_probe(seconds: float, at: float = 0.5) -> tuple[ProbeRun, RunAnal
     return run, analysis, competed
 
 
+@pytest.mark.slow  # end-to-end: agents, outages, faults (left out of the quick tier)
 @needs_chromium
 def test_run_plot_of_a_cpu_probe_slowed_halfway(tmp_path: Path) -> None:
     """The baseline is the run's own first part; the competitors must have cost throughput,

@@ -139,6 +139,7 @@ def test_promtool_check_rules() -> None:
     _run_promtool("check", "rules", str(RULES.relative_to(ROOT)))
 
 
+@pytest.mark.slow  # every rule's promtool unit tests, ~20 s (left out of the quick tier)
 def test_promtool_unit_tests() -> None:
     _run_promtool("test", "rules", *(str(path.relative_to(ROOT)) for path in _test_files()))
 

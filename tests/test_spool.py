@@ -150,6 +150,7 @@ def rolled_up(url: str) -> bool:
         engine.dispose()
 
 
+@pytest.mark.slow  # end-to-end: agents, outages, faults (left out of the quick tier)
 def test_database_outage_loses_and_doubles_nothing(
     private_postgres: PrivatePostgres, tmp_path: Path
 ) -> None:

@@ -320,6 +320,7 @@ def test_inference_compiled_compiles_before_the_manifest() -> None:
     assert manifest["started"] >= run.began + seconds["prefill"] + seconds["decode"]
 
 
+@pytest.mark.slow  # a whole probe command end to end (left out of the quick tier)
 def test_compiler_failure_is_unsupported_not_a_crash(tmp_path: Path) -> None:
     """A compiler that exists and fails: caught while compiling (a cold cache forces the call)."""
     run = child(
