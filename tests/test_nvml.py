@@ -86,6 +86,7 @@ def test_every_field_in_base_units_with_the_scenario_values(
         "name": "NVIDIA H100 80GB HBM3",
         "pci_bus_id": "00000000:18:00.0",
         "serial": "1650000000001",
+        "compute_capability": "9.0",
     }
     (system,) = [s for s in samples if s.device == "system"]
     assert dict(system.readings[0].labels) == {
@@ -126,8 +127,8 @@ def test_every_field_in_base_units_with_the_scenario_values(
     assert value(gpu, "gpu_pcie_link_width") == 8
     assert value(gpu, "gpu_pcie_link_width_max") == 16
     assert values(gpu, "gpu_pcie_throughput_bytes_per_second") == {
-        (("direction", "tx"),): 1000 * 1024,
-        (("direction", "rx"),): 2000 * 1024,
+        (("direction", "tx"),): 1000 * 1000,
+        (("direction", "rx"),): 2000 * 1000,
     }
     assert value(gpu, "gpu_fan_speed_ratio") == pytest.approx(0.55)
     assert value(gpu, "gpu_performance_state") == 2

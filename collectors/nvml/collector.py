@@ -4,7 +4,7 @@ Every call goes through ``NvmlLibrary``, so a field the device lacks is absent f
 never 0, never a sentinel — a lost GPU is marked unhealthy and looked for again, and a transient
 failure costs that field for that sample and is counted. Units are converted here and nowhere
 else (MHz -> hertz, mW -> watts, mJ -> joules, percent -> ratio, ns -> seconds, NVML's KB/s,
-which is KiB/s, -> bytes/s). The exposition::
+1000 bytes a second, -> bytes/s). The exposition::
 
     sustain_gpu_clock_hertz{clock="sm",device="0",uuid="GPU-7d3a..."} 1.41e+09
     sustain_gpu_power_watts{device="0",uuid="GPU-7d3a..."} 352.4
@@ -15,7 +15,6 @@ which is KiB/s, -> bytes/s). The exposition::
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 import os
@@ -34,25 +33,26 @@ from collectors.nvml.fields import (
     ECC,
     FIELD_IDS,
     FIELDS,
-    GPM_METRICS,
     POLICIES,
     POWER_AVERAGE,
     POWER_INSTANT,
     REASONS,
     THROTTLE_REASONS,
 )
+from collectors.nvml.gpm import Gpm, GpmReader
 from collectors.nvml.library import (
     Absent,
     CallFailed,
     DeviceLost,
     FunctionMissing,
     NvmlLibrary,
-    Refused,
+    binding,
+    binding_version,
     cuda_version_text,
     transient_kind,
 )
 from collectors.nvml.library import text as nvml_text
-from collectors.nvml.mig import MIG_SCAN_SECONDS, Gpm, MigDevice, scan, topology
+from collectors.nvml.mig import MIG_SCAN_SECONDS, MigDevice, scan, topology
 from collectors.nvml.xid import XidWatcher, handle_key
 
 log = logging.getLogger(__name__)
@@ -62,21 +62,51 @@ RETRY_SECONDS = 5.0
 FULL_READ_SECONDS = 0.5
 
 
+# nvmlValue_t's member for each value type the installed nvidia-ml-py knows: UNSIGNED_SHORT came
+# in 12.560 and its ``usVal`` member in 12.570, so an older binding leaves such a field absent.
 _VALUE_MEMBERS = {
-    pynvml.NVML_VALUE_TYPE_DOUBLE: "dVal",
-    pynvml.NVML_VALUE_TYPE_UNSIGNED_INT: "uiVal",
-    pynvml.NVML_VALUE_TYPE_UNSIGNED_LONG: "ulVal",
-    pynvml.NVML_VALUE_TYPE_UNSIGNED_LONG_LONG: "ullVal",
-    pynvml.NVML_VALUE_TYPE_SIGNED_LONG_LONG: "sllVal",
-    pynvml.NVML_VALUE_TYPE_SIGNED_INT: "siVal",
-    pynvml.NVML_VALUE_TYPE_UNSIGNED_SHORT: "usVal",
+    getattr(pynvml, constant): member
+    for constant, member in (
+        ("NVML_VALUE_TYPE_DOUBLE", "dVal"),
+        ("NVML_VALUE_TYPE_UNSIGNED_INT", "uiVal"),
+        ("NVML_VALUE_TYPE_UNSIGNED_LONG", "ulVal"),
+        ("NVML_VALUE_TYPE_UNSIGNED_LONG_LONG", "ullVal"),
+        ("NVML_VALUE_TYPE_SIGNED_LONG_LONG", "sllVal"),
+        ("NVML_VALUE_TYPE_SIGNED_INT", "siVal"),
+        ("NVML_VALUE_TYPE_UNSIGNED_SHORT", "usVal"),
+    )
+    if hasattr(pynvml, constant)
 }
+_UNREADABLE_TYPES: set[int] = set()  # logged once each
+
+# NVML_PSTATE_0 (fastest) to NVML_PSTATE_15; NVML_PSTATE_UNKNOWN (32) is no state: absent.
+_PSTATES = range(16)
+
+# nvmlDeviceGetPcieThroughput answers KB/s: nvml.h ("Reference in which to return throughput in
+# KB/s"), which writes KiB where it means 1024 bytes (the NVLink throughput fields 138-141, the
+# GPM PCIe metrics' MiB/sec); dcgm-exporter exports the same value as "KB/s" unchanged.
+_PCIE_BYTES_PER_KB = 1000
+# Each call samples a byte counter for 20 ms and blocks that long (NVML reference), two per GPU:
+# 40 ms per GPU, 320 ms for 8. Each GPU is read at most every PCIE_THROUGHPUT_SECONDS, the GPUs'
+# turns spread over that period, its last values repeated in between: at 10 Hz a poll waits for
+# about one GPU's 40 ms instead of all eight at once at every slow read.
+PCIE_THROUGHPUT_SECONDS = 1.0
 
 
 def _field_number(value: Any) -> float | None:
-    """The number in an nvmlFieldValue_t, or None when NVML returned an error for it."""
+    """The number in an nvmlFieldValue_t, or None when NVML returned an error for it or the
+    installed nvidia-ml-py cannot read its value type."""
+    if value.nvmlReturn != pynvml.NVML_SUCCESS:
+        return None
     member = _VALUE_MEMBERS.get(value.valueType)
-    if value.nvmlReturn != pynvml.NVML_SUCCESS or member is None:
+    if member is None or not hasattr(value.value, member):
+        if value.valueType not in _UNREADABLE_TYPES:
+            _UNREADABLE_TYPES.add(value.valueType)
+            log.info(
+                "nvidia-ml-py %s cannot read NVML value type %d: such fields are absent",
+                binding_version(),
+                value.valueType,
+            )
         return None
     return float(getattr(value.value, member))
 
@@ -105,6 +135,10 @@ class _Device:
     foreign_pids: tuple[int, ...] = ()  # read with the slow fields, repeated with them
     xid_counts: Counter[int] = field(default_factory=Counter)
     xid_last_seen: dict[int, float] = field(default_factory=dict)
+    unknown_fields: set[int] = field(default_factory=set)  # answered INVALID_ARGUMENT: not asked
+    gpm_capable: bool | None = None  # nvmlGpmQueryDeviceSupport's answer, asked once
+    pcie_due: float | None = None  # when the PCIe throughput is read next; None: at once
+    pcie_readings: tuple[Reading, ...] = ()
 
 
 class _Poll:
@@ -169,6 +203,7 @@ class NvmlCollector:
         self._system: tuple[Reading, ...] = ()
         self._lock = threading.Lock()  # devices' XID state is written by the watcher thread
         self._xid = XidWatcher(self._library, self._record_xid)
+        self._gpm = GpmReader(self._library)
         self._pending_events: list[Event] = []
         self._own: set[int] | None = None
 
@@ -229,12 +264,20 @@ class NvmlCollector:
             bus_id = nvml_text(pci.busId)
         except (Absent, CallFailed, DeviceLost):
             bus_id = ""
+        try:
+            major, minor = self._library.call(pynvml.nvmlDeviceGetCudaComputeCapability, handle)
+            capability = f"{int(major)}.{int(minor)}"
+        except (Absent, CallFailed, DeviceLost):
+            capability = ""
         labels = (("device", str(index)), ("uuid", uuid))
         identity = (
             *labels,
             ("name", text(pynvml.nvmlDeviceGetName)),
             ("pci_bus_id", bus_id),
             ("serial", text(pynvml.nvmlDeviceGetSerial)),
+            # What the probe plan reads for the precisions a GPU runs natively, without a CUDA
+            # context on a GPU that may be a production job's (agent.probes.devices).
+            ("compute_capability", capability),
         )
         return _Device(
             index=index,
@@ -308,10 +351,11 @@ class NvmlCollector:
             device.retry_at = now + RETRY_SECONDS
             device.last_full = None
             device.slow_readings = ()
+            device.pcie_due, device.pcie_readings = None, ()
             device.last_poll = None
             device.last_reasons = None
             for stream in (device.gpm, *(mig.gpm for mig in device.migs)):
-                self._drop_gpm(stream)
+                self._gpm.drop(stream)
             device.migs = []
             log.error("GPU %d (%s) lost: %s", device.index, device.uuid, exc)
             events.append(
@@ -352,15 +396,17 @@ class NvmlCollector:
         with self._lock:
             device.handle = handle
         device.gpm = Gpm()  # a refused GPM is asked again once the GPU is back
+        device.gpm_capable = None
         device.mig_scanned = None
         self._xid.register(handle)
         return True
 
     def _read(self, poll: _Poll, now: float) -> None:
         """The fast fields (clocks, power, energy, temperatures, utilization, reasons, the field
-        values) on every poll; the slow ones (identity, limits, memory, PCIe, fan, P-state, row
-        remapping, GPM, processes) at most every FULL_READ_SECONDS, their last values repeated
-        in between, so that sampling at 10 Hz during a probe costs a third of the calls."""
+        values) on every poll; the slow ones (identity, limits, memory, PCIe link, fan, P-state,
+        row remapping, GPM, processes) at most every FULL_READ_SECONDS, their last values
+        repeated in between, so that sampling at 10 Hz during a probe costs a third of the
+        calls; PCIe throughput, which blocks 20 ms a call, on its own staggered turns."""
         device = poll.device
         fields = self._read_fields(poll)
         for clock, kind in CLOCKS:
@@ -379,6 +425,7 @@ class NvmlCollector:
         self._read_reasons(poll, now)
         self._read_violations(poll, fields)
         self._read_memory_errors(poll, fields)
+        self._read_pcie_throughput(poll, now)
         if device.last_full is not None and now - device.last_full < FULL_READ_SECONDS:
             poll.readings.extend(device.slow_readings)
             poll.foreign_pids = device.foreign_pids
@@ -417,7 +464,8 @@ class NvmlCollector:
         self._read_pcie(poll)
         fan = poll.get(pynvml.nvmlDeviceGetFanSpeed)
         poll.add("gpu_fan_speed_ratio", None if fan is None else fan / 100)
-        poll.add("gpu_performance_state", poll.get(pynvml.nvmlDeviceGetPerformanceState))
+        state = poll.get(pynvml.nvmlDeviceGetPerformanceState)
+        poll.add("gpu_performance_state", state if state in _PSTATES else None)
         self._read_remapped_rows(poll)
         self._read_gpm(
             poll,
@@ -458,7 +506,7 @@ class NvmlCollector:
             poll.add("gpu_mig_mode", 1.0 if mode[0] else 0.0)
         if not (mode and mode[0]):
             for mig in device.migs:
-                self._drop_gpm(mig.gpm)
+                self._gpm.drop(mig.gpm)
             device.migs, device.mig_scanned = [], None
             return
         now = time.monotonic()
@@ -467,8 +515,14 @@ class NvmlCollector:
             kept = {mig.uuid for mig in found}
             for mig in device.migs:
                 if mig.uuid not in kept:
-                    self._drop_gpm(mig.gpm)
+                    self._gpm.drop(mig.gpm)
             device.migs, device.mig_scanned = found, now
+        # GPM samples a GPU instance whole (nvmlGpmMigSampleGet takes its id; DCGM: "a MIG sample
+        # is a GPU-I level aggregation of GPU-CI counters"): its series are exported once, on its
+        # MIG device with the lowest compute instance id, not once per compute instance.
+        gpm_owners: dict[int, MigDevice] = {}
+        for mig in sorted(device.migs, key=lambda mig: mig.compute_instance):
+            gpm_owners.setdefault(mig.gpu_instance, mig)
         for mig in device.migs:
             instance = _Poll(self._library, device, mig)
             instance.add(
@@ -483,22 +537,26 @@ class NvmlCollector:
                 instance.add("gpu_mig_memory_used_bytes", memory.used)
             instance.add("gpu_mig_foreign_compute_processes", self._foreign_processes(instance))
             mig.foreign_pids = instance.foreign_pids
-            if mig.gpm.supported is None:
-                mig.gpm.supported = device.gpm.supported
-            self._read_gpm(
-                instance,
-                mig.gpm,
-                functools.partial(
-                    self._library.call, pynvml.nvmlGpmMigSampleGet, device.handle, mig.gpu_instance
-                ),
-                prefix="gpu_mig_",
-            )
+            if gpm_owners[mig.gpu_instance] is mig:
+                self._read_gpm(
+                    instance,
+                    mig.gpm,
+                    functools.partial(
+                        self._library.call,
+                        pynvml.nvmlGpmMigSampleGet,
+                        device.handle,
+                        mig.gpu_instance,
+                    ),
+                    prefix="gpu_mig_",
+                )
+            else:
+                self._gpm.drop(mig.gpm)
             mig.readings = tuple(instance.readings)
             poll.errors.extend(instance.errors)
 
     def _read_temperatures(self, poll: _Poll, fields: dict[int, float | None] | None) -> None:
         gpu = poll.first(
-            (pynvml.nvmlDeviceGetTemperatureV, (pynvml.NVML_TEMPERATURE_GPU,)),
+            (binding("nvmlDeviceGetTemperatureV"), (pynvml.NVML_TEMPERATURE_GPU,)),
             (pynvml.nvmlDeviceGetTemperature, (pynvml.NVML_TEMPERATURE_GPU,)),
         )
         poll.add("gpu_temperature_celsius", gpu, ("sensor", "gpu"))
@@ -528,6 +586,17 @@ class NvmlCollector:
         )
         poll.add("gpu_pcie_link_width", poll.get(pynvml.nvmlDeviceGetCurrPcieLinkWidth))
         poll.add("gpu_pcie_link_width_max", poll.get(pynvml.nvmlDeviceGetMaxPcieLinkWidth))
+
+    def _read_pcie_throughput(self, poll: _Poll, now: float) -> None:
+        """PCIe throughput when the GPU's turn has come (see PCIE_THROUGHPUT_SECONDS), else its
+        last values again. The first poll reads every GPU; then GPU i of n is read at
+        i / n of the period after the others' turns, each on its own grid of the period."""
+        device = poll.device
+        due = device.pcie_due
+        if due is not None and 0 < due - now <= 2 * PCIE_THROUGHPUT_SECONDS:  # not a clock jump
+            poll.readings.extend(device.pcie_readings)
+            return
+        first = len(poll.readings)
         for direction, counter in (
             ("tx", pynvml.NVML_PCIE_UTIL_TX_BYTES),
             ("rx", pynvml.NVML_PCIE_UTIL_RX_BYTES),
@@ -535,8 +604,16 @@ class NvmlCollector:
             kilobytes = poll.get(pynvml.nvmlDeviceGetPcieThroughput, counter)
             poll.add(
                 "gpu_pcie_throughput_bytes_per_second",
-                None if kilobytes is None else kilobytes * 1024,
+                None if kilobytes is None else kilobytes * _PCIE_BYTES_PER_KB,
                 ("direction", direction),
+            )
+        device.pcie_readings = tuple(poll.readings[first:])
+        if due is None:
+            turn = self._devices.index(device) / max(1, len(self._devices))
+            device.pcie_due = now + (1 + turn) * PCIE_THROUGHPUT_SECONDS
+        else:  # the next point of its grid after now
+            device.pcie_due = due + ((now - due) // PCIE_THROUGHPUT_SECONDS + 1) * (
+                PCIE_THROUGHPUT_SECONDS
             )
 
     def _read_reasons(self, poll: _Poll, now: float) -> None:
@@ -594,24 +671,42 @@ class NvmlCollector:
     def _read_fields(self, poll: _Poll) -> dict[int, float | None] | None:
         """Every field value the collector uses, in one call (the current API for memory
         temperature, violation counters and ECC totals). None where the driver lacks the call,
-        so that the callers use the deprecated calls instead."""
+        so that the callers use the deprecated calls instead.
+
+        A field the driver answers NVML_ERROR_INVALID_ARGUMENT is one it does not know (185 and
+        186, the power fields, on drivers older than them): logged once, never asked again for
+        that GPU, absent, and not counted as an error, like NVML_ERROR_NOT_SUPPORTED."""
+        device = poll.device
+        numbers: dict[int, float | None] = dict.fromkeys(FIELD_IDS)
+        asked = [field_id for field_id in FIELD_IDS if field_id not in device.unknown_fields]
+        if not asked:
+            return numbers
         try:
-            values = self._library.call(
-                pynvml.nvmlDeviceGetFieldValues, poll.device.handle, list(FIELD_IDS)
-            )
+            values = self._library.call(pynvml.nvmlDeviceGetFieldValues, device.handle, asked)
         except FunctionMissing:
             return None
         except Absent:
-            return dict.fromkeys(FIELD_IDS)
+            return numbers
         except CallFailed as exc:
             poll.errors.append(exc.kind)
-            return dict.fromkeys(FIELD_IDS)
-        # A field's own transient failure (its nvmlReturn) is counted like a call's.
-        poll.errors.extend(filter(None, (transient_kind(value.nvmlReturn) for value in values)))
-        return {
-            field_id: _field_number(value)
-            for field_id, value in zip(FIELD_IDS, values, strict=True)
-        }
+            return numbers
+        for field_id, value in zip(asked, values, strict=True):
+            if value.nvmlReturn == pynvml.NVML_ERROR_INVALID_ARGUMENT:
+                device.unknown_fields.add(field_id)
+                log.info(
+                    "GPU %d (%s): the driver does not know field %d (NVML_ERROR_INVALID_ARGUMENT): "
+                    "not asked again, its series absent",
+                    device.index,
+                    device.uuid,
+                    field_id,
+                )
+                continue
+            # A field's own transient failure (its nvmlReturn) is counted like a call's.
+            kind = transient_kind(value.nvmlReturn)
+            if kind is not None:
+                poll.errors.append(kind)
+            numbers[field_id] = _field_number(value)
+        return numbers
 
     def _read_violations(self, poll: _Poll, fields: dict[int, float | None] | None) -> None:
         for policy, field_id, old_policy in POLICIES:
@@ -646,97 +741,23 @@ class NvmlCollector:
             poll.add("gpu_row_remap_failed", 1.0 if failed else 0.0)
 
     def _read_gpm(
-        self,
-        poll: _Poll,
-        stream: Gpm,
-        take: Callable[[Any], Any],
-        prefix: str = "gpu_",
+        self, poll: _Poll, stream: Gpm, take: Callable[[Any], Any], prefix: str = "gpu_"
     ) -> None:
-        """GPM metrics compare two samples: the previous poll's and this one's. ``take`` fills a
-        sample (nvmlGpmSampleGet for a GPU, nvmlGpmMigSampleGet for a GPU instance).
-
-        Every sample allocated is freed on every path (a refused or failed take, failed metrics,
-        a lost GPU: see ``_drop_gpm``). NVML_ERROR_NO_PERMISSION (a non-privileged container,
-        NVIDIA/DCGM#214) is logged once, counted once as ``gpm_no_permission`` and not asked
-        again until the GPU is re-acquired: the GPM fields are then absent."""
+        """The GPM ratios of ``stream`` (the GPU's, or a GPU instance's through ``take``); its
+        support starts from the GPU's nvmlGpmQueryDeviceSupport, asked once per acquisition of
+        the GPU (see collectors.nvml.gpm)."""
+        device = poll.device
+        if device.gpm_capable is None:
+            device.gpm_capable = self._gpm.supported(device.handle, poll.errors)
         if stream.supported is None:
-            support = poll.get(pynvml.nvmlGpmQueryDeviceSupport)
-            stream.supported = bool(support is not None and support.isSupportedDevice)
-        if not stream.supported or stream.refused:
-            return
-        current = self._take_gpm(poll, stream, take)
-        if current is None:
-            return
-        previous, stream.sample = stream.sample, current
-        if previous is None:
-            return
-        request = pynvml.c_nvmlGpmMetricsGet_t()
-        request.version = pynvml.NVML_GPM_METRICS_GET_VERSION
-        request.numMetrics = len(GPM_METRICS)
-        request.sample1 = previous
-        request.sample2 = current
-        for position, (_, metric_id) in enumerate(GPM_METRICS):
-            request.metrics[position].metricId = metric_id
-        try:
-            self._library.call(pynvml.nvmlGpmMetricsGet, request)
-        except (Absent, CallFailed) as exc:
-            if isinstance(exc, CallFailed):
-                poll.errors.append(exc.kind)
-            return
-        finally:
-            self._free_gpm(previous)
-        for position, (key, _) in enumerate(GPM_METRICS):
-            metric = request.metrics[position]
-            if metric.nvmlReturn == pynvml.NVML_SUCCESS:
-                poll.add(prefix + key.removeprefix("gpu_"), metric.value / 100)
-
-    def _take_gpm(self, poll: _Poll, stream: Gpm, take: Callable[[Any], Any]) -> Any:
-        """A new sample, taken; None when it cannot be (freed again, the reason recorded)."""
-        try:
-            current = self._library.call(pynvml.nvmlGpmSampleAlloc)
-        except (Absent, CallFailed) as exc:
-            if isinstance(exc, CallFailed):
-                poll.errors.append(exc.kind)
-            return None
-        try:
-            take(current)
-        except Refused:
-            self._free_gpm(current)
-            self._drop_gpm(stream)
-            stream.refused = True
-            poll.errors.append("gpm_no_permission")
-            log.warning(
-                "GPU %d (%s): GPM refused (NVML_ERROR_NO_PERMISSION); GPM fields absent until "
-                "the GPU is re-acquired or the agent restarts with the permission",
-                poll.device.index,
-                dict(poll.labels)["uuid"],
-            )
-            return None
-        except (Absent, CallFailed) as exc:
-            self._free_gpm(current)
-            if isinstance(exc, CallFailed):
-                poll.errors.append(exc.kind)
-            else:
-                stream.supported = False
-            return None
-        except BaseException:  # a lost GPU: the caller drops the stream's sample too
-            self._free_gpm(current)
-            raise
-        return current
-
-    def _free_gpm(self, sample: Any) -> None:
-        with contextlib.suppress(Absent, CallFailed, DeviceLost):
-            self._library.call(pynvml.nvmlGpmSampleFree, sample)
-
-    def _drop_gpm(self, stream: Gpm) -> None:
-        """Free the stream's kept sample (the device was lost, refused GPM, or the agent stops)."""
-        if stream.sample is not None:
-            self._free_gpm(stream.sample)
-            stream.sample = None
+            stream.supported = device.gpm_capable
+        where = (device.index, dict(poll.labels)["uuid"])
+        for key, ratio in self._gpm.read(stream, take, poll.errors, where).items():
+            poll.add(prefix + key.removeprefix("gpu_"), ratio)
 
     def close(self) -> None:
         self._xid.stop()
         for device in self._devices:
             for stream in (device.gpm, *(mig.gpm for mig in device.migs)):
-                self._drop_gpm(stream)
+                self._gpm.drop(stream)
         self._library.shutdown()

@@ -155,7 +155,12 @@ _MIG_FIELDS = (
         "nvmlDeviceGetComputeRunningProcesses_v3 on the MIG handle.",
     ),
     *(
-        _mig_gauge(stem, "ratio", f"{text} Source: GPM, nvmlGpmMigSampleGet.")
+        _mig_gauge(
+            stem,
+            "ratio",
+            f"{text} Once per GPU instance, on its lowest compute instance. Source: GPM, "
+            "nvmlGpmMigSampleGet.",
+        )
         for stem, text in (
             ("gpu_mig_dram_bandwidth_utilization", "The instance's DRAM bandwidth use."),
             ("gpu_mig_sm_occupancy", "The instance's active warps against the maximum."),
@@ -285,7 +290,8 @@ _FIELDS = (
     _gauge(
         "gpu_pcie_throughput",
         "bytes_per_second",
-        "PCIe throughput over the driver's last 20 ms. Source: nvmlDeviceGetPcieThroughput.",
+        "PCIe throughput over a 20 ms sample, each GPU read about once a second. Source: "
+        "nvmlDeviceGetPcieThroughput (KB/s, x 1000).",
         "direction",
         windowed=MEAN,
     ),
@@ -297,7 +303,8 @@ _FIELDS = (
     _gauge(
         "gpu_performance_state",
         "",
-        "Performance state, 0 (P0, fastest) to 15. Source: nvmlDeviceGetPerformanceState.",
+        "Performance state, 0 (P0, fastest) to 15; absent while NVML says unknown. Source: "
+        "nvmlDeviceGetPerformanceState.",
     ),
     _gauge(
         "gpu_clock_event_reason_active",

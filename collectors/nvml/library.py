@@ -6,6 +6,10 @@ FunctionNotFound is logged once per function; GpuIsLost marks the device unhealt
 (a timeout, an unknown error) costs that field for that sample and is counted. NVML is started
 once per process, lazily and under a lock, and shut down at exit.
 
+An older nvidia-ml-py is an older driver too: a function the bindings lack (``binding``) is
+answered like the driver's FunctionNotFound — one log line, its fields absent, the older fallback
+used — never an AttributeError that fails the poll.
+
 Where NVML is not installed (no libnvidia-ml, or its kernel driver not loaded: a CPU-only node)
 the source is absent, which is not a fault: said once in the log, looked for again on a slow
 backoff, and never counted as an error. A driver that is there and fails to start is a fault.
@@ -14,6 +18,8 @@ backoff, and never counted as an error. A driver that is there and fails to star
 from __future__ import annotations
 
 import atexit
+import functools
+import importlib.metadata
 import logging
 import threading
 import time
@@ -76,6 +82,10 @@ class DeviceLost(Exception):
     """NVML says the GPU is lost (fallen off the bus)."""
 
 
+class _BindingLacks(Exception):
+    """The installed nvidia-ml-py predates the function: the stand-in ``binding`` gave raises it."""
+
+
 class CallFailed(Exception):
     """A transient NVML failure; ``kind`` names it for the error counter."""
 
@@ -97,6 +107,32 @@ def transient_kind(code: int) -> str | None:
     if code in (pynvml.NVML_ERROR_NO_PERMISSION, pynvml.NVML_ERROR_FUNCTION_NOT_FOUND):
         return None
     return _ERROR_KINDS.get(code, f"nvml_{code}")
+
+
+def binding_version() -> str:
+    """The installed nvidia-ml-py's version, for the log line about a function it lacks."""
+    try:
+        return importlib.metadata.version("nvidia-ml-py")
+    except importlib.metadata.PackageNotFoundError:
+        return "(version unknown)"
+
+
+def binding(name: str) -> Callable[..., Any]:
+    """pynvml's function ``name``; where the installed nvidia-ml-py predates it, a stand-in that
+    ``NvmlLibrary.call`` answers like the driver's FunctionNotFound. For the functions newer than
+    the oldest bindings the collector still runs on, 12.535 (nvmlDeviceGetTemperatureV came in
+    12.570, nvmlDeviceGetNumaNodeId in 12.550); pyproject's floor is the first with them all."""
+    function: Callable[..., Any] | None = getattr(pynvml, name, None)
+    return function if function is not None else _lacking(name)
+
+
+@functools.cache
+def _lacking(name: str) -> Callable[..., Any]:
+    def lacking(*_: Any) -> Any:
+        raise _BindingLacks(name)
+
+    lacking.__name__ = name
+    return lacking
 
 
 def cuda_version_text(version: int) -> str:
@@ -204,6 +240,15 @@ class NvmlLibrary:
             raise FunctionMissing(name)
         try:
             return function(*args)
+        except _BindingLacks:
+            if name not in self._missing:
+                self._missing.add(name)
+                log.info(
+                    "nvidia-ml-py %s lacks %s: its fields are absent (a newer nvidia-ml-py has it)",
+                    binding_version(),
+                    name,
+                )
+            raise FunctionMissing(name) from None
         except pynvml.NVMLError as exc:
             code = exc.value
             if code == pynvml.NVML_ERROR_FUNCTION_NOT_FOUND:

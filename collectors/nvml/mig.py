@@ -27,7 +27,8 @@ from typing import Any
 import pynvml
 
 from collectors.base import Labels, Reading
-from collectors.nvml.library import Absent, CallFailed, NvmlLibrary
+from collectors.nvml.gpm import Gpm
+from collectors.nvml.library import Absent, CallFailed, NvmlLibrary, binding
 from collectors.nvml.library import text as nvml_text
 
 log = logging.getLogger(__name__)
@@ -35,16 +36,6 @@ log = logging.getLogger(__name__)
 # How often a MIG GPU's instances are listed again: an operator may create or destroy them while
 # the agent runs (mode changes need a GPU reset, instances do not).
 MIG_SCAN_SECONDS = 60.0
-
-
-@dataclass
-class Gpm:
-    """One GPM stream (a GPU, or one GPU instance of a MIG GPU): the last sample taken, which
-    the next poll's metrics are computed against."""
-
-    supported: bool | None = None
-    refused: bool = False
-    sample: Any = None
 
 
 @dataclass
@@ -157,7 +148,7 @@ def topology(library: NvmlLibrary, handle: Any) -> Labels:
     if not cpus:
         return ()
     try:
-        node = str(int(library.call(pynvml.nvmlDeviceGetNumaNodeId, handle)))
+        node = str(int(library.call(binding("nvmlDeviceGetNumaNodeId"), handle)))
     except (Absent, CallFailed):
         node = ""
     return (("cpu_affinity", cpu_list(cpus)), ("numa_node", node))

@@ -581,6 +581,7 @@ static const struct {
     {"no_permission", NVML_ERROR_NO_PERMISSION},
     {"timeout", NVML_ERROR_TIMEOUT},
     {"unknown", NVML_ERROR_UNKNOWN},
+    {"invalid_argument", NVML_ERROR_INVALID_ARGUMENT},
 };
 
 static bool parse_fault_target(const struct parser *p, const char *text, struct fault *fault)
@@ -623,7 +624,8 @@ static bool directive_fault(struct parser *p, char **tokens, int count)
         kind++;
     }
     if (kind == kinds) {
-        report(p, "unknown fault kind '%s' (lost, unsupported, no_permission, timeout, unknown)",
+        report(p, "unknown fault kind '%s' (lost, unsupported, no_permission, timeout, unknown, "
+               "invalid_argument)",
                tokens[2]);
         return false;
     }
