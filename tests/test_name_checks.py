@@ -83,7 +83,7 @@ def test_the_catalogue_is_what_the_workloads_declare() -> None:
         (
             'workload = "matmul"\noptimizations = ["compiled"]',
             "probing.plan[0].optimizations[0]: unknown optimization 'compiled' for matmul "
-            "(known: eager)",
+            "(known: eager, fast_accum)",
         ),
     ],
 )
@@ -119,7 +119,7 @@ def child_marker(tmp_path: Path) -> tuple[Path, Path]:
         ),
         (
             ["--workload", "matmul", "--optimization", "compiled"],
-            "--optimization: unknown optimization 'compiled' for matmul (known: eager)",
+            "--optimization: unknown optimization 'compiled' for matmul (known: eager, fast_accum)",
         ),
     ],
 )

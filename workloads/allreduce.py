@@ -19,6 +19,11 @@ the torch.distributed documentation:
   sizes. An iteration's work is bytes * 2(n-1)/n * repeats, so its throughput is the bus bandwidth.
 - Message: 1/8 of the free memory of cuda:0, at most 1 GiB (16 MiB with --size small; 64 MiB on a
   CPU), repeated 5 times per iteration.
+- Payload: ones, summed in place, so each all-reduce multiplies it by n. Every rank fills it with
+  ones again between iterations, outside the timed window (rank 0 before its timer starts, the
+  others before they agree to go on), so it never exceeds n^5 (32768 on 8 GPUs) however long the
+  run; left to grow, fp32 and bf16 reach inf after 128/log2(n) sums (43 on 8 GPUs, 26 iterations
+  on 2 CPU ranks). The timed calls are the same SUM all-reduces of the same bytes.
 """
 
 from __future__ import annotations
@@ -71,6 +76,10 @@ class _Rank:
         for _ in range(REPEATS):
             dist.all_reduce(self.payload)
 
+    def refill(self) -> None:
+        """Between iterations: ones again, so that the sums stay finite."""
+        self.payload.fill_(1)
+
     def agree_stop(self, stop: bool) -> bool:
         self.flag.fill_(int(stop))
         dist.all_reduce(self.flag, op=dist.ReduceOp.MAX)
@@ -92,6 +101,7 @@ def _follow(  # noqa: PLR0917 - the rank's description, passed through spawn
     member = _Rank(rank, world, port, precision, message_bytes, kind)
     while not member.agree_stop(False):
         member.reduce()
+        member.refill()
         if kind == "cuda":  # GPU-only: not exercised on CPU
             torch.cuda.synchronize(member.device)
     member.close()
@@ -172,6 +182,7 @@ class Allreduce(Workload):
     def steps(self) -> Generator[Step, None, None]:
         while True:
             yield Step(work=self.work, run=self.rank.reduce)
+            self.rank.refill()
 
     def agree_stop(self, stop: bool) -> bool:
         return self.rank.agree_stop(stop)

@@ -22,7 +22,31 @@ class Declared:
 
 
 PRECISIONS: Final = ("fp32", "tf32", "bf16", "fp16", "fp8", "int8")
-OPTIMIZATIONS: Final = ("eager", "compiled")
+OPTIMIZATIONS: Final = ("eager", "compiled", "fast_accum")
+
+# Levels that apply to some of a workload's precisions only: the agent leaves the other pairs out
+# of a plan, and the workload reports them unsupported. fast_accum is fp8's fast accumulation
+# (torch._scaled_mm's use_fast_accum, what fp8 inference kernels use); eager fp8 promotes its
+# partial sums to fp32 as it goes, the slower and more accurate path.
+LEVEL_PRECISIONS: Final[dict[tuple[str, str], tuple[str, ...]]] = {
+    ("matmul", "fast_accum"): ("fp8",),
+}
+
+# Native arithmetic on a CUDA device, by compute capability: the one rule of what the default plan
+# leaves out on a GPU (workloads.precision for the child, the agent before any child starts: it
+# reads the capability from NVML, so no CUDA context is made to ask). fp16 is full rate from Volta
+# (7.0) on, and before it on 5.3, 6.0 and 6.2 only (6.1, the GeForce Pascals, runs it at 1/64 of
+# fp32); every other precision the device supports at all it runs natively.
+VOLTA: Final = (7, 0)
+FAST_FP16_BEFORE_VOLTA: Final = ((5, 3), (6, 0), (6, 2))
+
+
+def cuda_native_reason(precision: str, capability: tuple[int, int]) -> str | None:
+    """Why a CUDA device of ``capability`` runs ``precision`` without native support, or None."""
+    if precision == "fp16" and capability < VOLTA and capability not in FAST_FP16_BEFORE_VOLTA:
+        return f"fp16 on compute capability {capability[0]}.{capability[1]} is not full rate"
+    return None
+
 
 # Node-wide by nature: one run spans every GPU of the node (the agent makes them all visible).
 NODE_WIDE: Final = frozenset({"allreduce"})
@@ -30,7 +54,9 @@ NODE_WIDE: Final = frozenset({"allreduce"})
 WORKLOADS: Final[dict[str, Declared]] = {
     declared.name: declared
     for declared in (
-        Declared("matmul", ("fp32", "tf32", "bf16", "fp16", "fp8", "int8"), ("eager",)),
+        Declared(
+            "matmul", ("fp32", "tf32", "bf16", "fp16", "fp8", "int8"), ("eager", "fast_accum")
+        ),
         Declared("membw", ("fp32",), ("eager",)),
         Declared("h2d", ("fp32",), ("eager",)),
         Declared("d2h", ("fp32",), ("eager",)),

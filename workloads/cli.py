@@ -17,7 +17,7 @@ from typing import Any, NoReturn
 
 import torch
 
-from workloads import affinity, facts, runner
+from workloads import affinity, catalog, facts, runner
 from workloads import device as devices
 from workloads import precision as precisions
 from workloads.device import DeviceInfo
@@ -76,7 +76,7 @@ def _parser() -> _Parser:
     run = commands.add_parser("run", help="run one probe and stream its iterations")
     run.add_argument("--workload", required=True, choices=sorted(WORKLOADS))
     run.add_argument("--precision", required=True)
-    run.add_argument("--optimization", default="eager", choices=["eager", "compiled"])
+    run.add_argument("--optimization", default="eager", choices=catalog.OPTIMIZATIONS)
     run.add_argument("--duration", type=_positive_float, help="seconds; default per workload")
     run.add_argument("--device", required=True, type=_device, help="cpu, cuda or cuda:N")
     run.add_argument("--max-iterations", type=_positive_int)
@@ -93,7 +93,11 @@ def _parser() -> _Parser:
         "many more times the minimum of iterations (default 0)",
     )
     run.add_argument("--size", default="default", choices=["small", "default"])
-    run.add_argument("--threads", type=_positive_int, help="torch threads (default: torch's)")
+    run.add_argument(
+        "--threads",
+        type=_positive_int,
+        help="torch intra-op threads (default: torch's, at most one per CPU of --cpus)",
+    )
     run.add_argument(
         "--ranks",
         type=_positive_int,
@@ -136,7 +140,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         device, reason = runner.device_or_reason(args.device)
         emitter.emit(facts.facts(device, reason))
     else:
-        # First, before any buffer is allocated: pinned memory lands on the bound CPUs' node.
+        # First, before any buffer is allocated: pinned memory lands on the bound CPUs' node; and
+        # before any parallel work, so that torch's thread pools still take the bound CPU count.
         binding = None if args.cpus is None else affinity.bind(args.cpus)
         if args.threads is not None:
             torch.set_num_threads(args.threads)
@@ -222,7 +227,12 @@ def _describe(
 
     by_precision = {p: support(p, "eager") for p in spec.precisions}
     runnable = [p for p, s in by_precision.items() if s["supported"]]
-    reference = runnable[0] if runnable else spec.precisions[0]
+
+    def level(optimization: str) -> dict[str, Any]:
+        """Judged at the first supported precision the level applies to (fast_accum: fp8)."""
+        applies = catalog.LEVEL_PRECISIONS.get((spec.name, optimization), spec.precisions)
+        return support(next((p for p in runnable if p in applies), applies[0]), optimization)
+
     return {
         "version": spec.version,
         "unit": spec.unit,
@@ -232,5 +242,5 @@ def _describe(
         "applies": bool(runnable),
         "reason": None if runnable else by_precision[spec.precisions[0]]["reason"],
         "precisions": by_precision,
-        "optimizations": {o: support(reference, o) for o in spec.optimizations},
+        "optimizations": {o: level(o) for o in spec.optimizations},
     }

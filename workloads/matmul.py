@@ -17,6 +17,13 @@ standard normal rounded to the precision, int8 uniform over its 256 values; a is
 column-major for fp8 and int8 (the "TN" layout both kernels take on every CUDA version) and
 row-major for the dense precisions.
 
+fp8 has two levels, reported apart: ``eager`` (use_fast_accum=False: cuBLAS periodically promotes
+the partial sums to a higher precision, the accurate and slower path, as in fp8 training's
+gradients) and ``fast_accum`` (use_fast_accum=True: no promotion; what fp8 inference and forward
+passes use, and the figure to set beside a published fp8 peak such as the H100 SXM's 1979 TFLOP/s
+dense). The manifest's ``parameters.fast_accum`` says which ran. The other precisions have one
+accumulation: fast_accum is unsupported for them.
+
 --flush-cache writes a buffer of twice the last-level cache between iterations, outside the timed
 window, so that every iteration starts with cold operands.
 """
@@ -28,7 +35,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from workloads import calibration
+from workloads import calibration, catalog
 from workloads import precision as precisions
 from workloads.device import DeviceInfo
 from workloads.workload import Request, Spec, Step, Workload
@@ -47,11 +54,20 @@ class Matmul(Workload):
         unit="FLOP/s",
         work_unit="flop",
         precisions=("fp32", "tf32", "bf16", "fp16", "fp8", "int8"),
-        optimizations=("eager",),
+        optimizations=("eager", "fast_accum"),
         default_duration=10.0,
         devices=("cpu", "cuda"),
     )
     max_shrink = 5  # 2048 -> 64 on a CPU, 8192 -> 256 on a big GPU
+
+    @classmethod
+    def unsupported_reason(
+        cls, device: DeviceInfo, precision: str, optimization: str
+    ) -> str | None:
+        applies = catalog.LEVEL_PRECISIONS.get((cls.spec.name, optimization))
+        if applies is not None and precision not in applies:
+            return f"{optimization} applies to {', '.join(applies)} only"
+        return super().unsupported_reason(device, precision, optimization)
 
     def __init__(self, request: Request, device: DeviceInfo) -> None:
         super().__init__(request, device)
@@ -62,6 +78,7 @@ class Matmul(Workload):
         a, b = precisions.matmul_operands(
             request.precision, m, n, k, device=dev, generator=generator
         )
+        self._fast_accum = request.optimization == "fast_accum"
         self._multiply = self._operation(a, b)
         self.repeats = repeats
         self.flop = 2 * m * n * k * repeats
@@ -73,6 +90,8 @@ class Matmul(Workload):
             self._flush = torch.empty(2 * cache, dtype=torch.uint8, device=dev)
             self.parameters["flush_bytes"] = self._flush.numel()
         self.parameters["flush_cache"] = request.flush_cache
+        if request.precision == "fp8":
+            self.parameters["fast_accum"] = self._fast_accum
 
     def _sizes(self) -> tuple[tuple[int, int, int, int], dict[str, Any]]:
         """M, N, K and repeats; and what decided them, for the manifest's parameters."""
@@ -92,10 +111,18 @@ class Matmul(Workload):
         precision = self.request.precision
         if precision == "fp8":  # GPU-only: not exercised on CPU
             scale = torch.ones((), device=a.device)
+            fast = self._fast_accum
             self.kernel = "torch._scaled_mm"
 
             def scaled() -> None:
-                torch._scaled_mm(a, b, scale_a=scale, scale_b=scale, out_dtype=torch.bfloat16)
+                torch._scaled_mm(
+                    a,
+                    b,
+                    scale_a=scale,
+                    scale_b=scale,
+                    out_dtype=torch.bfloat16,
+                    use_fast_accum=fast,
+                )
 
             return scaled
         if precision == "int8":

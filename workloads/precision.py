@@ -23,6 +23,7 @@ from typing import Final
 
 import torch
 
+from workloads.catalog import cuda_native_reason
 from workloads.device import DeviceInfo, cpu_flags
 
 PRECISIONS: Final = ("fp32", "tf32", "bf16", "fp16", "fp8", "int8")
@@ -38,10 +39,6 @@ _DTYPES: Final = {
 
 AMPERE: Final = (8, 0)
 ADA: Final = (8, 9)
-VOLTA: Final = (7, 0)
-FAST_FP16_BEFORE_VOLTA: Final = ((5, 3), (6, 0), (6, 2))
-"""Pre-Volta capabilities with full-rate fp16 arithmetic (6.1, the GeForce Pascals, runs it at
-1/64 of fp32)."""
 
 # Per architecture, the CPU flags (x86 `flags`, aarch64 `Features`) any one of which gives a
 # precision native arithmetic; fp32 needs none. A CPU whose flags cannot be read, or of another
@@ -127,10 +124,7 @@ def native_reason(precision: str, device: DeviceInfo) -> str | None:
         if not wanted or not flags or flags.intersection(wanted):
             return None
         return f"{precision} on this CPU has no native support (no {_either(wanted)} flag)"
-    capability = device.capability or (0, 0)  # GPU-only: not exercised on CPU
-    if precision == "fp16" and capability < VOLTA and capability not in FAST_FP16_BEFORE_VOLTA:
-        return f"fp16 on compute capability {capability[0]}.{capability[1]} is not full rate"
-    return None
+    return cuda_native_reason(precision, device.capability or (0, 0))  # GPU-only
 
 
 def _either(names: tuple[str, ...]) -> str:

@@ -92,7 +92,8 @@ class Workload(ABC):
         cls, device: DeviceInfo, precision: str, optimization: str
     ) -> str | None:
         """Why this device cannot run the workload at this precision and level, or None."""
-        del optimization  # only inference has a level other than eager, and checks it itself
+        # Only inference (compiled) and matmul (fast_accum) have another level; each checks it.
+        del optimization
         if device.kind not in cls.spec.devices:
             return f"{cls.spec.name} needs a CUDA device"
         return precisions.unsupported_reason(precision, device)

@@ -542,8 +542,8 @@ def _add_fleet_commands(commands: Any) -> None:
     capacity.add_argument("--workload", help="one workload, e.g. matmul (default: every workload)")
     capacity.add_argument(
         "--optimization",
-        choices=["eager", "compiled"],
-        help="one optimization (default: both, apart)",
+        choices=["eager", "compiled", "fast_accum"],
+        help="one optimization (default: every one, apart)",
     )
     capacity.add_argument(
         "--size",
@@ -636,9 +636,9 @@ def build_parser() -> argparse.ArgumentParser:
     probe.add_argument(
         "--optimization",
         action="append",
-        choices=["eager", "compiled"],
-        help="eager or torch.compile'd, repeatable (default: from the configuration, "
-        "probing.plan: the workload's optimizations there, else eager)",
+        choices=["eager", "compiled", "fast_accum"],
+        help="eager, torch.compile'd or fast_accum (fp8 matmul), repeatable (default: from the "
+        "configuration, probing.plan: the workload's optimizations there, else eager)",
     )
     probe.add_argument(
         "--duration",

@@ -11,9 +11,24 @@ from __future__ import annotations
 from collections.abc import Sequence
 from difflib import get_close_matches
 
-from workloads.catalog import NODE_WIDE, OPTIMIZATIONS, PRECISIONS, WORKLOADS
+from workloads.catalog import (
+    LEVEL_PRECISIONS,
+    NODE_WIDE,
+    OPTIMIZATIONS,
+    PRECISIONS,
+    WORKLOADS,
+    cuda_native_reason,
+)
 
-__all__ = ["NODE_WIDE", "UnknownName", "check_optimization", "check_precision", "check_workload"]
+__all__ = [
+    "NODE_WIDE",
+    "PRECISIONS",
+    "UnknownName",
+    "check_optimization",
+    "check_precision",
+    "check_workload",
+    "cuda_native_reason",
+]
 
 
 class UnknownName(ValueError):
@@ -42,12 +57,14 @@ def check_optimization(optimization: str, workloads: Sequence[str] = ()) -> None
 
 
 def declares(workload: str, precision: str, optimization: str) -> bool:
-    """Whether the workload takes this precision and optimization level on its command line."""
+    """Whether the workload takes this precision and optimization level on its command line, and
+    the level applies to the precision (matmul's fast_accum is fp8's only)."""
     declared = WORKLOADS.get(workload)
     return (
         declared is not None
         and precision in declared.precisions
         and optimization in declared.optimizations
+        and precision in LEVEL_PRECISIONS.get((workload, optimization), (precision,))
     )
 
 

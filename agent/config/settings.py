@@ -219,7 +219,7 @@ class NvmlSection(_Section):
     absent_retry_seconds: float = Field(default=60.0, gt=0, le=300, description="NVML lookup wait.")
 
 
-OPTIMIZATIONS = ("eager", "compiled")
+OPTIMIZATIONS = ("eager", "compiled", "fast_accum")
 
 
 def _plan_workload(info: ValidationInfo) -> list[str]:
@@ -247,9 +247,9 @@ class ProbePlanEntry(_Section):
         default_factory=lambda: ["fp32"], min_length=1, description="Precisions to run, in order."
     )
     optimizations: list[
-        Annotated[Literal["eager", "compiled"], BeforeValidator(_known_optimization)]
+        Annotated[Literal["eager", "compiled", "fast_accum"], BeforeValidator(_known_optimization)]
     ] = Field(
-        default_factory=lambda: list[Literal["eager", "compiled"]](["eager"]),
+        default_factory=lambda: list[Literal["eager", "compiled", "fast_accum"]](["eager"]),
         min_length=1,
         description="Optimization levels to run.",
     )
