@@ -31,10 +31,10 @@ from agent.archive.database import open_engine, upgrade
 from agent.archive.sink import ArchiveSink
 from agent.archive.spool import Spool
 from agent.archive.stack_snapshots import StackNotFound, find, last_stack
-from agent.config import names
-from agent.config.settings import Settings, redact_url
+from agent.config.names import NODE_WIDE
+from agent.config.settings import ProbePlanEntry, Settings, redact_url
 from agent.probes.analysis import RunAnalysis
-from agent.probes.devices import TelemetryCapture, gpu_devices, plan_precisions
+from agent.probes.devices import TelemetryCapture, gpu_devices, plan_specs
 from agent.probes.node import Coupling, node_members
 from agent.probes.protocol import Iteration
 from agent.probes.runner import CPU, ProbeDevice, ProbeRun, ProbeRunner, ProbeSpec
@@ -96,27 +96,24 @@ def _devices(store: TelemetryStore, wanted: str | None) -> list[ProbeDevice]:
 def _specs(
     settings: Settings, request: Request, devices: list[ProbeDevice], runner: ProbeRunner
 ) -> list[ProbeSpec]:
+    """The daemon's plan (``plan_specs``) with the request's flags over it; a workload the plan
+    does not list runs with the plan entry defaults (fp32, eager, 20 s)."""
     plan = {entry.workload: entry for entry in settings.probing.plan}
-    workloads = list(request.workloads) or list(plan)
-    specs = []
-    for device in devices:
-        for workload in workloads:
-            entry = plan.get(workload)
-            precisions = list(request.precisions) or (
-                plan_precisions(settings.probing, entry, runner, device) if entry else ["fp32"]
-            )
-            optimizations = list(request.optimizations) or (
-                list(entry.optimizations) if entry else ["eager"]
-            )
-            duration = request.duration or (entry.duration_seconds if entry else 20.0)
-            for precision in precisions:
-                for optimization in optimizations:
-                    if not names.declares(workload, precision, optimization):
-                        continue  # asked for another workload: `membw` has no bf16
-                    specs.append(
-                        ProbeSpec(workload, precision, optimization, duration, device, request.size)
-                    )
-    return specs
+    return [
+        spec
+        for workload in list(request.workloads) or list(plan)
+        for spec in plan_specs(
+            settings.probing,
+            # Not in the plan: the entry defaults; its schedule is never used here.
+            plan.get(workload) or ProbePlanEntry(workload=workload, interval_seconds=3600),
+            devices,
+            runner,
+            precisions=request.precisions,
+            optimizations=request.optimizations,
+            duration=request.duration,
+            size=request.size,
+        )
+    ]
 
 
 def ratios_to_best(runs: Sequence[ProbeRun]) -> dict[str, float]:
@@ -361,7 +358,12 @@ def _node_plan(
             file=sys.stderr,
         )
         return [], []
-    probes = {(spec.workload, spec.precision, spec.optimization): spec for spec in specs}
+    # A node-wide workload (allreduce) already ran on every GPU at once: no second, per-device run.
+    probes = {
+        (spec.workload, spec.precision, spec.optimization): spec
+        for spec in specs
+        if spec.workload not in NODE_WIDE
+    }
     return members, list(probes.values())
 
 

@@ -1,8 +1,9 @@
 """The devices a probe plan runs on, and the telemetry a running probe keeps.
 
 ``gpu_devices`` reads them from the NVML collector's latest samples (whole GPUs, and a MIG GPU's
-MIG devices in its place); ``node_device`` is the node as one device (allreduce);
-``plan_precisions`` leaves out what a device runs only without native support (the built-in
+MIG devices in its place); ``node_device`` is the node as one device (allreduce); ``plan_specs``
+turns a plan entry into runs, for the daemon and `sustain probe` alike; ``plan_precisions`` leaves
+out what a device runs only without native support (the built-in
 plan); ``TelemetryCapture`` keeps, per running probe, the samples of its devices.
 """
 
@@ -11,8 +12,10 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterable, Sequence
 
+from agent.config import names
+from agent.config.names import NODE_WIDE
 from agent.config.settings import ProbePlanEntry, ProbingSection
-from agent.probes.runner import CPU, ProbeDevice, ProbeRunner
+from agent.probes.runner import CPU, ProbeDevice, ProbeRunner, ProbeSpec
 from agent.telemetry.store import TelemetryStore
 from collectors.base import Sample
 from collectors.nvml.mig import cpu_list, parse_cpu_list
@@ -47,7 +50,8 @@ def gpu_devices(store: TelemetryStore) -> list[ProbeDevice]:
     """The healthy GPUs the NVML collector reports, in index order. A GPU in MIG mode runs
     nothing by its own UUID: its MIG devices are listed instead (by their MIG-... UUIDs), each
     with the GPU's nearest CPUs."""
-    gpus: dict[str, tuple[dict[str, str], str, bool]] = {}  # uuid -> labels, cpus, MIG mode
+    # uuid -> labels, cpus, MIG mode, compute capability
+    gpus: dict[str, tuple[dict[str, str], str, bool, tuple[int, int] | None]] = {}
     instances: list[dict[str, str]] = []
     for sample in store.latest():
         if sample.collector != "nvml" or sample.device == "system":
@@ -61,14 +65,18 @@ def gpu_devices(store: TelemetryStore) -> list[ProbeDevice]:
             continue
         topology = readings.get("gpu_topology_info")
         mode = readings.get("gpu_mig_mode")
+        info = readings.get("gpu_info")
         gpus[sample.device] = (
             dict(healthy.labels),
             "" if topology is None else dict(topology.labels).get("cpu_affinity", ""),
             mode is not None and mode.value == 1.0,
+            None if info is None else capability(dict(info.labels).get("compute_capability")),
         )
     found = [
-        ProbeDevice("cuda", uuid, labels["device"], int(labels["device"]), cpus=cpus)
-        for uuid, (labels, cpus, mig_mode) in gpus.items()
+        ProbeDevice(
+            "cuda", uuid, labels["device"], int(labels["device"]), cpus=cpus, capability=version
+        )
+        for uuid, (labels, cpus, mig_mode, version) in gpus.items()
         if not mig_mode
     ]
     for labels in instances:
@@ -83,9 +91,18 @@ def gpu_devices(store: TelemetryStore) -> list[ProbeDevice]:
                     parent=labels["parent"],
                     mig=labels["mig_instance"],
                     cpus=parent[1],
+                    capability=parent[3],
                 )
             )
     return sorted(found, key=lambda device: (device.index or 0, int(device.mig or 0)))
+
+
+def capability(text: str | None) -> tuple[int, int] | None:
+    """ "9.0" (the ``compute_capability`` label of gpu_info) as (9, 0); None where absent."""
+    major, _, minor = (text or "").partition(".")
+    if not (major.isdigit() and minor.isdigit()):
+        return None
+    return int(major), int(minor)
 
 
 def node_device(devices: Sequence[ProbeDevice]) -> ProbeDevice:
@@ -102,6 +119,43 @@ def node_device(devices: Sequence[ProbeDevice]) -> ProbeDevice:
         else ""
     )
     return ProbeDevice("cuda", "node", "node", None, cpus=cpus, members=gpus)
+
+
+def plan_specs(
+    probing: ProbingSection,
+    entry: ProbePlanEntry,
+    devices: Sequence[ProbeDevice],
+    runner: ProbeRunner,
+    *,
+    precisions: Sequence[str] = (),
+    optimizations: Sequence[str] = (),
+    duration: float | None = None,
+    size: str | None = None,
+) -> list[ProbeSpec]:
+    """The runs of one plan entry on ``devices``, as the daemon and `sustain probe` both start
+    them: a node-wide workload (allreduce) once, on the node as one device with every GPU
+    visible to it (``node_device``); any other on each device in turn. ``precisions``,
+    ``optimizations``, ``duration`` and ``size`` override the entry's (`sustain probe` flags); a
+    variant the workload does not declare is left out (`--precision bf16` with membw)."""
+    node_wide = entry.workload in NODE_WIDE
+    targets = [node_device(devices)] if node_wide else list(devices)
+    if size is None and entry.size != "default":
+        size = entry.size
+    return [
+        ProbeSpec(
+            entry.workload,
+            precision,
+            optimization,
+            duration or entry.duration_seconds,
+            device,
+            size,
+            scope="node" if node_wide else "device",
+        )
+        for device in targets
+        for precision in (list(precisions) or plan_precisions(probing, entry, runner, device))
+        for optimization in (list(optimizations) or entry.optimizations)
+        if names.declares(entry.workload, precision, optimization)
+    ]
 
 
 def plan_precisions(

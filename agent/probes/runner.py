@@ -43,6 +43,7 @@ from typing import Any, Literal
 
 import psutil
 
+from agent.config.names import PRECISIONS, cuda_native_reason
 from agent.probes.protocol import (
     MAX_LINE_BYTES,
     Iteration,
@@ -127,6 +128,8 @@ class ProbeDevice:
     cpus: str = ""
     # The node as one device (key "node"): these GPUs, all visible to one run (allreduce).
     members: tuple[ProbeDevice, ...] = ()
+    # A GPU's CUDA compute capability as NVML states it (a MIG device: its GPU's); None unknown.
+    capability: tuple[int, int] | None = None
 
     @property
     def gpu(self) -> str:
@@ -277,6 +280,20 @@ def child_environment(device: ProbeDevice, base: Mapping[str, str] | None = None
     return env
 
 
+def cuda_lacking(device: ProbeDevice) -> dict[str, str]:
+    """The precisions a GPU (every GPU of a node-wide device) runs without native support, by
+    compute capability; nothing where a capability is unknown."""
+    lacking: dict[str, str] = {}
+    for gpu in device.members or (device,):
+        if gpu.capability is None:
+            continue
+        for precision in PRECISIONS:
+            why = cuda_native_reason(precision, gpu.capability)
+            if why is not None:
+                lacking.setdefault(precision, why)
+    return lacking
+
+
 class ProbeRunner:
     """Starts probe children and turns what they do into ``ProbeRun`` records."""
 
@@ -316,9 +333,13 @@ class ProbeRunner:
 
     def lacking_native(self, device: ProbeDevice) -> dict[str, str]:
         """The precisions ``device`` runs without native support, each with why ("bf16 on
-        this CPU has no native support (...)"), as `python -m workloads list` says: read once
-        per device; empty, and read again next time, where the child cannot say (nothing is left
-        out on a guess)."""
+        this CPU has no native support (...)"). A GPU's come from its compute capability as NVML
+        states it: no child is started and no CUDA context made on a GPU before a probe's checks
+        (a production job may hold it, in exclusive-process mode a second context fails its
+        own). A CPU's, as `python -m workloads list` says: read once; empty, and read again next
+        time, where the child cannot say (nothing is left out on a guess)."""
+        if device.kind == "cuda":
+            return cuda_lacking(device)
         with self._lock:
             known = self._lacking.get(device.key)
         if known is not None:
@@ -679,7 +700,16 @@ class ProbeRunner:
             seconds = math.fsum(times) / len(times)
             plural = "" if len(times) == 1 else "s"
             done = f"{len(times)} iteration{plural} of {seconds:.3g} s in {window}"
-            longer = f"a --duration of at least {math.ceil(minimum * seconds):d} s"
+            # A phased workload (membw: copy and triad in turn) spends the other phases' time
+            # too: the run's span per counted iteration is what a longer run repeats.
+            iterations = protocol.iterations
+            span = iterations[-1].end - iterations[0].start
+            per_counted = max(seconds, span / len(times))
+            if len(counts) > 1:
+                others = len(iterations) - len(times)
+                done = f"{len(times)} {phase} iteration{plural} of {seconds:.3g} s (and {others} "
+                done += f"of its other phases) in {window}"
+            longer = f"a --duration of at least {math.ceil(minimum * per_counted):d} s"
         return f"insufficient: {done}; at least {minimum} are needed: use {smaller}{longer}"
 
 

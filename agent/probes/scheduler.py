@@ -35,7 +35,7 @@ from apscheduler.triggers.interval import IntervalTrigger
 from agent.config.names import NODE_WIDE
 from agent.config.settings import ProbePlanEntry, ProbingSection
 from agent.probes.analysis import AnalysisError, RunAnalysis, analyze_run
-from agent.probes.devices import TelemetryCapture, gpu_devices, node_device, plan_precisions
+from agent.probes.devices import TelemetryCapture, gpu_devices, plan_specs
 from agent.probes.node import (
     NODE,
     Coupling,
@@ -203,9 +203,7 @@ class ProbeScheduler:
         runs: list[ProbeRun] = []
         devices = self.devices()
         members: list[ProbeDevice] = []
-        if entry.workload in NODE_WIDE:
-            devices = [node_device(devices)]
-        elif entry.scope == "node":
+        if entry.scope == "node" and entry.workload not in NODE_WIDE:
             members = node_members(devices, self.sysfs)
             if len(members) == 1 and members[0].kind == "cpu":
                 log.info(
@@ -215,24 +213,13 @@ class ProbeScheduler:
                 members = []
             else:
                 devices = members[:1]
-        for device in devices:
-            for precision in plan_precisions(self.settings, entry, self.runner, device):
-                for optimization in entry.optimizations:
-                    if self._stopping.is_set():
-                        return runs
-                    spec = ProbeSpec(
-                        entry.workload,
-                        precision,
-                        optimization,
-                        entry.duration_seconds,
-                        device,
-                        None if entry.size == "default" else entry.size,
-                        scope="node" if entry.workload in NODE_WIDE else "device",
-                    )
-                    if members:
-                        runs.extend(self.run_node(spec, members))
-                    else:
-                        runs.append(self.run_one(spec))
+        for spec in plan_specs(self.settings, entry, devices, self.runner):
+            if self._stopping.is_set():
+                return runs
+            if members:
+                runs.extend(self.run_node(spec, members))
+            else:
+                runs.append(self.run_one(spec))
         return runs
 
     def run_node(
