@@ -5,7 +5,11 @@ The agent's analysis decides nothing on fewer than its minimum of iterations, so
 53 s iteration in a 2 s probe (bf16 matmul on a CPU without native bf16) measures nothing usable.
 When the agent passes that minimum (``--min-iterations``), a workload that can shrink its problem
 (``Workload.max_shrink``) is sized here: trial steps climb from the smallest problem towards the
-default one. The default size is kept whenever its step fits the duration's share of one
+default one. A size's step time is a conservative estimate of a sustained one: the slower of
+the timed trial steps, times ``MARGIN``, since the run's iterations are slower than cold trial
+steps (a GPU under its power cap, a CPU's turbo and neighbours: 0.2175 s as the fastest trial
+step of a 2048^3 fp32 matmul on the 2-core development machine, 0.261 s in the run that
+followed). The default size is kept whenever that estimate fits the duration's share of one
 iteration (duration / minimum); a smaller one is chosen with room to spare (half that share), so
 that warm-up and noise do not push the run under the minimum. A bigger size is tried only while
 the last one's time, scaled by the work, predicts less than ``REACH`` times the limit: small
@@ -14,6 +18,12 @@ prediction from them overstates the bigger ones, while a slow path scales with t
 stopped before it costs seconds. A trial whose first step is already over the limit ends there.
 Every trial is taken before the manifest, so it counts as start-up, not as part of the measured
 run.
+
+Sustained iterations can still turn out slower than any trial (a power cap that engages once the
+run starts, a neighbour that starts beside it), so the run checks the size again (``replan``):
+after its first ``CHECK_ITERATIONS`` iterations at a size, or that many shares of the duration
+where sooner, the pace so far must reach the minimum by the run's deadline; where it does not,
+the problem shrinks one level and its series starts again (workloads/runner.py).
 
 A precision the device has no native support for is then compared with every native precision
 of the same workload, each sized as the workload's default probe (its default duration) or this
@@ -34,22 +44,27 @@ from go into the manifest's parameters.
 
 from __future__ import annotations
 
-import math
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Final, Literal
 
 from workloads import precision as precisions
 from workloads.device import DeviceInfo
 from workloads.timer import Timer
-from workloads.workload import Request, Workload
+from workloads.workload import Record, Request, Workload
 
 SPARE: Final = 0.5
 """A shrunk problem's step takes at most this share of the duration's share of one iteration."""
 REACH: Final = 4.0
 SLOW_PATH_RATIO: Final = 1 / 20
 TRIAL_STEPS: Final = 2
-TICK_SECONDS: Final = 1e-9  # a step timed at zero (below the clock's resolution) divides by this
 """Timed trial steps per size (after one untimed: first calls choose kernels and allocate)."""
+MARGIN: Final = 1.25
+"""A size's sustained step is estimated as its slower timed trial step times this."""
+CHECK_ITERATIONS: Final = 3
+"""In the run: iterations at a size (or that many shares of the duration) before its pace is
+checked against the minimum."""
+TICK_SECONDS: Final = 1e-9  # a step timed at zero (below the clock's resolution) divides by this
 LARGE_MEMORY_BYTES: Final = 36 << 30
 """The memory class threshold: between the 32 GB and 40 GB devices, far from either."""
 
@@ -188,20 +203,57 @@ def _compare(
 
 
 def trial_seconds(workload: Workload, timer: Timer, limit: float) -> float:
-    """The fastest of ``TRIAL_STEPS`` timed steps after a first one (which chooses kernels and
-    allocates); the first alone where it is already over ``limit``."""
+    """The estimate of a sustained step: the slowest of ``TRIAL_STEPS`` timed steps after a
+    first one (which chooses kernels and allocates), times ``MARGIN``; the first alone where it
+    is already over ``limit``. Not the fastest: a run's iterations are slower than cold trial
+    steps, and a size kept on its best step leaves no room for that."""
     steps = workload.steps()
     try:
         start, end = timer.measure(next(steps).run)
         if end - start > limit:
             return end - start
-        best = math.inf
+        slowest = 0.0
         for _ in range(TRIAL_STEPS):
             start, end = timer.measure(next(steps).run)
-            best = min(best, end - start)
+            slowest = max(slowest, end - start)
     finally:
         steps.close()
-    return best
+    return slowest * MARGIN
+
+
+def replan(
+    workload: Workload, records: Sequence[Record], *, now: float, deadline: float, minimum: int
+) -> dict[str, Any] | None:
+    """What the run records of a re-plan to the next smaller size, where the pace of
+    ``records`` (the run's latest iterations, all of this size; the time from the first one's
+    start to ``now`` over their count, so what runs between iterations counts too) does not
+    reach ``minimum`` by ``deadline``; None where it does, or where the deadline has passed (a
+    new size would get one iteration)."""
+    pace = max(now - records[0].start, TICK_SECONDS) / len(records)
+    projected = len(records) + max(deadline - now, 0.0) / pace
+    if projected >= minimum or now >= deadline:
+        return None
+    return {
+        "from_size": workload.request.size_label,
+        "size": replace(workload.request, shrink=workload.request.shrink + 1).size_label,
+        "at": now,
+        "iteration_seconds": pace,
+        "projected_iterations": projected,
+        "discarded": [{"start": r.start, "end": r.end, "work": r.work} for r in records],
+    }
+
+
+def checked(records: Sequence[Record], share: float) -> bool:
+    """Whether a size has run long enough for its pace to be judged: ``CHECK_ITERATIONS``
+    iterations, or that many of the duration's shares of one iteration where sooner."""
+    span = records[-1].end - records[0].start
+    return len(records) >= CHECK_ITERATIONS or span >= CHECK_ITERATIONS * share
+
+
+def shrunk(workload: Workload) -> Workload:
+    """The same problem one level smaller (``Request.shrink`` + 1), built for the same device."""
+    request = replace(workload.request, shrink=workload.request.shrink + 1)
+    return type(workload)(request, workload.device)
 
 
 def step_work(workload: Workload) -> float:

@@ -5,6 +5,14 @@ a series with its first seconds cut off cannot show a warm-up or a slowdown. The
 is checked between iterations only, so a run ends at most one iteration after its duration; the
 agent kills a child still running at its duration plus a grace, so the problem is sized before
 the manifest to fit the analysis's minimum of iterations (workloads/calibration.py).
+
+Where the run's first iterations show that the size will not reach that minimum after all, the
+run re-plans: it shrinks the problem one level and starts its series again, keeping its deadline.
+Iterations of different sizes are not comparable and the agent analyses every iteration it
+receives, so the first iterations at a size that may still shrink are held back until their pace
+is judged (``calibration.checked``): kept, they are emitted then with their own times; dropped,
+they never reach the agent as iterations. A second manifest tells it so before any iteration of
+the new size: the new size, shapes and parameters, with ``replans`` listing what was dropped.
 """
 
 from __future__ import annotations
@@ -14,17 +22,27 @@ import os
 import platform
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from workloads import facts
+from workloads import calibration, facts
 from workloads import precision as precisions
 from workloads.calibration import calibrate
 from workloads.device import DeviceInfo, probe
 from workloads.protocol import Emitter, Unsupported
 from workloads.timer import Timer, for_device
 from workloads.workload import Record, Request, Workload
+
+
+@dataclass(frozen=True, slots=True)
+class Replanning:
+    """What a run that may re-plan in flight needs: the minimum of iterations to reach, and
+    what takes the smaller workload over (the runner: its manifest, closing it at the end)."""
+
+    min_iterations: int
+    on_replan: Callable[[Workload, dict[str, Any]], None]
 
 
 def run(
@@ -78,11 +96,22 @@ def run(
         reference=calibrated.reference,
         slow_path=calibrated.slow_path,
         cpu_binding=cpu_binding,
+        replans=[],
     )
     emitter.emit(line)
     if start is not None and not start():
         workload.close()
         return
+
+    def on_replan(smaller: Workload, replan: dict[str, Any]) -> None:
+        """The run goes on with ``smaller``: its manifest, that of the run (its start, sizing
+        and findings) with the new problem and this re-plan added."""
+        nonlocal workload
+        workload = smaller
+        started = line["started"]
+        line.update(manifest(smaller, timer, duration, max_iterations), started=started)
+        line["replans"].append(replan)
+        emitter.emit(line)
 
     def on_record(index: int, record: Record) -> None:
         line: dict[str, Any] = {
@@ -97,7 +126,14 @@ def run(
         emitter.emit(line)
 
     try:
-        records = iterate(workload, timer, duration, max_iterations, on_record)
+        records = iterate(
+            workload,
+            timer,
+            duration,
+            max_iterations,
+            on_record,
+            replanning=None if min_iterations is None else Replanning(min_iterations, on_replan),
+        )
     finally:
         workload.close()
     emitter.emit(result(workload, records))
@@ -109,11 +145,21 @@ def iterate(
     duration: float,
     max_iterations: int | None,
     on_record: Callable[[int, Record], None],
+    *,
+    replanning: Replanning | None = None,
 ) -> list[Record]:
-    """Time steps until the duration or the iteration cap is reached (at least one iteration)."""
+    """Time steps until the duration or the iteration cap is reached (at least one iteration).
+
+    With ``replanning``, a workload that can still shrink holds its first iterations back until
+    ``calibration.checked``; where their pace does not reach the minimum by the deadline, they
+    are dropped, ``on_replan`` gets the next smaller workload (from then on the caller's to
+    close) and what to record, this one is closed, and the series starts again from index 0
+    after one untimed step (first calls choose kernels and allocate)."""
     records: list[Record] = []
     steps = workload.steps()
     began = timer.now()
+    deadline = began + duration
+    holding = replanning is not None and _may_shrink(workload)
     while True:
         done = max_iterations is not None and len(records) >= max_iterations
         done = done or (bool(records) and timer.now() - began >= duration)
@@ -123,9 +169,35 @@ def iterate(
         start, end = timer.measure(step.run)
         record = Record(start=start, end=end, work=step.work, phase=step.phase)
         records.append(record)
-        on_record(len(records) - 1, record)
+        if replanning is None or not holding:
+            on_record(len(records) - 1, record)
+            continue
+        minimum = replanning.min_iterations
+        if not calibration.checked(records, duration / minimum):
+            continue
+        now = timer.now()
+        replan = calibration.replan(workload, records, now=now, deadline=deadline, minimum=minimum)
+        if replan is None:
+            holding = False
+            for index, kept in enumerate(records):
+                on_record(index, kept)
+            continue
+        smaller = calibration.shrunk(workload)
+        steps.close()
+        replanning.on_replan(smaller, replan)
+        workload.close()
+        workload, steps, records = smaller, smaller.steps(), []
+        timer.measure(next(steps).run)
+        holding = _may_shrink(workload)
+    if holding:
+        for index, kept in enumerate(records):
+            on_record(index, kept)
     steps.close()
     return records
+
+
+def _may_shrink(workload: Workload) -> bool:
+    return workload.request.shrink < workload.max_shrink
 
 
 def manifest(
