@@ -176,7 +176,7 @@ def test_dcgm_dashboard_queries_over_the_bridge(e2e_stack: Stack) -> None:
         "DCGM_FI_DEV_FB_FREE": 81920 - 528 - 1024,
         "DCGM_FI_DEV_PCIE_TX_THROUGHPUT": 1000,
         "DCGM_FI_DEV_PCIE_RX_THROUGHPUT": 2000,
-        "DCGM_FI_PROF_PCIE_TX_BYTES": 1000 * 1024,
+        "DCGM_FI_PROF_PCIE_TX_BYTES": 1000 * 1000,
         "DCGM_FI_DEV_CORRECTABLE_REMAPPED_ROWS": 3,
         "DCGM_FI_DEV_UNCORRECTABLE_REMAPPED_ROWS": 1,
         "DCGM_FI_DEV_ROW_REMAP_FAILURE": 0,
