@@ -283,6 +283,11 @@ def test_recorded_run_is_in_capacity_and_restored_after_a_restart(
         for sample in family.samples:
             if sample.name == "sustain_probe_flops" and sample.labels["workload"] == "matmul":
                 values[sample.labels["stat"]] = sample.value
-    assert set(values) >= {"peak", "steady", "p10", "p50"}
-    assert values["peak"] == pytest.approx(run["peak"])
-    assert values["p10"] == pytest.approx(run["p10"])
+    # Every figure the run had comes back. p10 and p50 need 3 whole one-second windows: a run
+    # that a loaded machine made re-plan to a smaller size can deliver its 45 iterations in less
+    # (test_probe_shows_the_answer_in_80_columns checks that they are shown when present).
+    stated = {stat for stat in ("peak", "steady", "p10", "p50") if run[stat] is not None}
+    assert stated >= {"peak", "steady"}
+    assert set(values) >= stated, (values, run)
+    for stat in stated & {"peak", "p10"}:
+        assert values[stat] == pytest.approx(run[stat]), stat
