@@ -134,7 +134,10 @@ def test_kill_9_during_probes_and_writes_loses_nothing(tmp_path: Path) -> None:
     # run is ok, which is right, and there are fewer aborted runs than kills. The final SIGTERM
     # may stop one more run (probes follow each other every 2 s): the agent records it aborted.
     assert 1 <= outcomes.count("aborted") <= ROUNDS + 1
-    assert set(outcomes) == {"ok", "aborted"}
+    # A 1-s probe that the suite's other workers slow below the analysis minimum ends
+    # "timeout" (insufficient), which is what happened, not a loss: seen once in a loaded run.
+    assert "ok" in outcomes
+    assert set(outcomes) <= {"ok", "aborted", "timeout"}
     text = log.read_text()
     assert "recorded as aborted" in text
     assert "Traceback" not in text
