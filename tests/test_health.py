@@ -30,7 +30,8 @@ from agent.archive.database import open_engine, upgrade
 from agent.archive.events import EventWriter
 from agent.archive.models import EventRecord, ProbeRunRecord
 from agent.cli.health import NodeHealth, Verdict, summary
-from agent.config.settings import HealthSection, OccupancySection
+from agent.config.archive_section import OccupancySection
+from agent.config.health_section import HealthSection
 from agent.health.monitor import HealthMonitor
 from agent.health.records import baseline, xids
 from agent.health.rules import Finding

@@ -21,7 +21,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector as PromCollector
 
-from agent.config.settings import OccupancySection
+from agent.config.archive_section import OccupancySection
 from agent.exporter.occupancy import occupancy_families
 from agent.occupancy.podresources import (
     SERVICE,

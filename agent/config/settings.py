@@ -16,9 +16,7 @@ from typing import Annotated, Any, Literal, cast
 
 from pydantic import (
     AfterValidator,
-    BaseModel,
     BeforeValidator,
-    ConfigDict,
     Field,
     ValidationError,
     ValidationInfo,
@@ -33,10 +31,12 @@ from pydantic_settings import (
     SettingsError,
 )
 from sqlalchemy.engine import URL
-from sqlalchemy.exc import NoSuchModuleError
 
 from agent.config import database_url as urls
 from agent.config import names, problems, webconfig
+from agent.config.archive_section import ArchiveSection, OccupancySection
+from agent.config.base import DAY_SECONDS, YEAR_SECONDS, _Section
+from agent.config.health_section import HealthSection
 from agent.config.problems import Sources, environment_json_lines, one_line, problem_line
 
 ENV_PREFIX = "SUSTAIN_"
@@ -75,24 +75,6 @@ def parse_listen(value: str) -> tuple[str, int]:
 def redact_url(url: str) -> str:
     """A database URL with its secrets replaced, safe for logs and error messages."""
     return urls.redact_text(url) or "<unusable database URL>"
-
-
-DAY_SECONDS = 86_400.0
-YEAR_SECONDS = 366 * DAY_SECONDS  # the scheduler cannot hold dates past year 9999
-
-
-class _Section(BaseModel):
-    # Infinity and NaN are valid TOML floats but no duration, rate or share the agent can use.
-    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
-
-    @field_validator("*", check_fields=False)
-    @classmethod
-    def _no_nul_character(cls, value: Any) -> Any:
-        """No path, name, URL or command holds a NUL (TOML can write one as "\\u0000")."""
-        for item in value if isinstance(value, list) else [value]:
-            if isinstance(item, str | Path) and "\x00" in str(item):
-                raise ValueError("holds a NUL character")
-        return value
 
 
 class AgentSection(_Section):
@@ -431,167 +413,6 @@ class DriftSection(_Section):
         lt=1,
         description="A device this far below the median of identical devices is a fleet outlier.",
     )
-
-
-# XIDs that mean the GPU needs a reset or is off the bus (NVIDIA's XID catalogue: docs/health.md).
-RESET_XIDS = (48, 74, 79, 92, 94, 95, 119, 120)
-
-
-class HealthSection(_Section):
-    enabled: bool = Field(
-        default=True, description="Evaluate each device's health every sampler period."
-    )
-    unhealthy_xids: list[Annotated[int, Field(ge=1, le=65535)]] = Field(
-        default_factory=lambda: list(RESET_XIDS),
-        description="XIDs that make a GPU unhealthy until an operator clears it or it is reset.",
-    )
-    hold_seconds: float = Field(
-        default=30.0,
-        ge=0,
-        le=DAY_SECONDS,
-        description="A condition (PCIe link, idle throttling, applications clocks) counts only "
-        "once it has held this long.",
-    )
-    light_load_utilization: float = Field(
-        default=0.2,
-        ge=0,
-        le=1,
-        description="At or below this GPU utilization a thermal or power-brake clock reason is "
-        "a fault, not the load's doing.",
-    )
-    active_utilization: float = Field(
-        default=0.1,
-        ge=0,
-        le=1,
-        description="At or above this GPU utilization the GPU is not idle: its PCIe link must run "
-        "at full generation and width, and its clocks must not be held by applications clocks.",
-    )
-    probe_failures: int = Field(
-        default=3,
-        ge=1,
-        le=100,
-        description="This many consecutive failed or timed-out probe runs on an idle device make "
-        "it unhealthy.",
-    )
-    baseline_threshold: float = Field(
-        default=0.10,
-        gt=0,
-        lt=1,
-        description="A device whose steady throughput or sustained ratio is this far below its "
-        "peers' median (same model, stack, probe and size) is degraded.",
-    )
-    baseline_runs: int = Field(
-        default=2, ge=1, le=20, description="How many consecutive runs must be below the baseline."
-    )
-    baseline_min_peers: int = Field(
-        default=3, ge=1, le=1000, description="Fewest peer devices that make a baseline."
-    )
-    baseline_days: float = Field(
-        default=14.0,
-        gt=0,
-        le=365,
-        description="Peers' results older than this do not count toward the baseline.",
-    )
-    coupling_low_runs: int = Field(
-        default=3,
-        ge=1,
-        le=100,
-        description="This many consecutive node-wide runs below probing.coupling_threshold make "
-        "the device degraded.",
-    )
-    correctable_ecc_per_hour: float = Field(
-        default=100.0,
-        gt=0,
-        description="More corrected ECC errors than this over the last hour make a GPU degraded.",
-    )
-
-
-class OccupancySection(_Section):
-    pod_resources_socket: Path = Field(
-        default=Path("/var/lib/kubelet/pod-resources/kubelet.sock"),
-        description="The kubelet's PodResources API socket; absent means not on Kubernetes.",
-    )
-    pod_resources_interval_seconds: float = Field(
-        default=30.0,
-        ge=1,
-        le=DAY_SECONDS,
-        description="Ask the kubelet which pods hold which devices at most this often "
-        "(in the background, never per scrape).",
-    )
-    pod_resources_timeout_seconds: float = Field(
-        default=5.0, gt=0, le=60, description="Deadline of one PodResources List call."
-    )
-    slurm: bool = Field(
-        default=True,
-        description="Name the Slurm job of the processes on each GPU (from their cgroup or "
-        "SLURM_JOB_ID under host.procfs).",
-    )
-
-
-class ArchiveSection(_Section):
-    database_url: str | None = Field(
-        default=None,
-        description="SQLAlchemy database URL; unset means a SQLite file data_dir/sustain.db.",
-    )
-    auto_upgrade: bool = Field(
-        default=True, description="Apply pending schema migrations when the daemon starts."
-    )
-    rollup_seconds: int = Field(
-        default=60,
-        ge=1,
-        le=3600,
-        description="Length of one telemetry rollup period (one row per device field per period).",
-    )
-    retention_days: float = Field(
-        default=90.0, gt=0, description="Rollup rows older than this are deleted (checked hourly)."
-    )
-    events_retention_days: float = Field(
-        default=365.0, gt=0, description="Events older than this are deleted (checked hourly)."
-    )
-    probe_runs_retention_days: float = Field(
-        default=730.0,
-        gt=0,
-        description="Probe runs and their iteration series older than this are deleted (hourly).",
-    )
-    spool_path: Path | None = Field(
-        default=None,
-        description="Local spool file that holds archive writes until the database has them; "
-        "unset means data_dir/spool.db.",
-    )
-    local_database_url: str | None = Field(
-        default=None,
-        description="With a PostgreSQL archive (a fleet's): the node-local SQLite database that "
-        "keeps this node's rollups of rollup_seconds (for forensics, under retention_days); unset "
-        "means a SQLite file data_dir/rollups.db. Unused with a SQLite archive, which keeps them.",
-    )
-    fleet_rollup_seconds: int | None = Field(
-        default=None,
-        ge=1,
-        le=86_400,
-        description="With a PostgreSQL archive: also send the fleet database rollups of this "
-        "coarser period (e.g. 3600); unset sends none (dense telemetry is Prometheus' job).",
-    )
-
-    @field_validator("database_url", "local_database_url")
-    @classmethod
-    def _url_is_well_formed(cls, value: str | None) -> str | None:
-        if value is None:
-            return None
-        url = urls.parse(value)  # DatabaseUrlError is a ValueError: one line, no URL
-        try:
-            url.get_dialect()
-        except NoSuchModuleError:
-            raise ValueError(f"unknown database dialect {url.drivername!r}") from None
-        if url.get_backend_name() == "sqlite" and not url.database:
-            raise ValueError("a SQLite URL needs a file path (sqlite:////path/to/sustain.db)")
-        return value
-
-    @field_validator("local_database_url")
-    @classmethod
-    def _local_is_sqlite(cls, value: str | None) -> str | None:
-        if value is not None and urls.parse(value).get_backend_name() != "sqlite":
-            raise ValueError("the node-local rollups database must be SQLite (sqlite:////path)")
-        return value
 
 
 class _FileSource(PydanticBaseSettingsSource):

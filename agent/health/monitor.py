@@ -21,8 +21,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from agent.archive.probe_runs import _size as archived_size
+from agent.config.health_section import HealthSection
 from agent.config.problems import one_line
-from agent.config.settings import HealthSection
 from agent.health.records import (
     HEALTH_CHANGE,
     Baseline,

@@ -17,7 +17,7 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from agent.config.settings import OccupancySection
+from agent.config.archive_section import OccupancySection
 from agent.occupancy.podresources import Allocation, PodResourcesWatch
 from agent.occupancy.slurm import SlurmJobs
 from collectors.base import Event, Sample
