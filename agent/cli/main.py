@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from agent import __version__
+from agent.config.names import OPTIMIZATIONS
 
 if TYPE_CHECKING:  # imported where used: `sustain analyze` needs neither pydantic nor SQLAlchemy
     from agent.config import settings as config
@@ -542,7 +543,7 @@ def _add_fleet_commands(commands: Any) -> None:
     capacity.add_argument("--workload", help="one workload, e.g. matmul (default: every workload)")
     capacity.add_argument(
         "--optimization",
-        choices=["eager", "compiled", "fast_accum"],
+        choices=OPTIMIZATIONS,
         help="one optimization (default: every one, apart)",
     )
     capacity.add_argument(
@@ -636,7 +637,7 @@ def build_parser() -> argparse.ArgumentParser:
     probe.add_argument(
         "--optimization",
         action="append",
-        choices=["eager", "compiled", "fast_accum"],
+        choices=OPTIMIZATIONS,
         help="eager, torch.compile'd or fast_accum (fp8 matmul), repeatable (default: from the "
         "configuration, probing.plan: the workload's optimizations there, else eager)",
     )

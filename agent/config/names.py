@@ -22,6 +22,7 @@ from workloads.catalog import (
 
 __all__ = [
     "NODE_WIDE",
+    "OPTIMIZATIONS",
     "PRECISIONS",
     "UnknownName",
     "check_optimization",

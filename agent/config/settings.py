@@ -201,7 +201,7 @@ class NvmlSection(_Section):
     absent_retry_seconds: float = Field(default=60.0, gt=0, le=300, description="NVML lookup wait.")
 
 
-OPTIMIZATIONS = ("eager", "compiled", "fast_accum")
+OPTIMIZATIONS = names.OPTIMIZATIONS
 
 
 def _plan_workload(info: ValidationInfo) -> list[str]:
