@@ -394,7 +394,9 @@ def test_sustain_probe_node_shows_each_gpu_against_its_solo_run(
         # a loaded machine a 3-s run may end without a steady state (CI saw it once).
         solos = solo_steady if run["scope"] == "node_total" else [solo_steady[int(run["device"])]]
         assert run["steady"] is None or None in solos, run
-    assert any(run["coupling_ratio"] is not None for run in runs[2:4]), runs
+    # No "at least one ratio" here: on a loaded machine neither 3-s node-wide run may settle
+    # (a fresh-clone run saw it). The ratio's presence and size are asserted on runs whose
+    # series the test controls: test_two_gpus_sharing_the_cores_lose_to_each_other_...
     assert runs[0]["coupling_ratio"] is None
     # Told to pick one device: not a node-wide run.
     refused = subprocess.run(
