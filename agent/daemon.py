@@ -2,8 +2,13 @@
 
 Start-up binds the exporter's port first (so that a port in use is reported before any database
 file or directory is created), then opens the archive (a bad database is the likeliest mistake),
-then starts the sampler loops and the scheduler. Any start-up failure is a ``StartupError`` with
-one readable line; the CLI turns it into exit code 2. On SIGTERM or SIGINT the loops stop, the
+then starts the sampler loops and the scheduler. A mistake in the configuration (a port in use, a
+bad URL, a missing driver, an archive newer than this agent) is a ``StartupError`` with one
+readable line; the CLI turns it into exit code 2. A database that cannot be reached or written at
+start (a server down, a full disk) is not: the agent serves /metrics and its live health, keeps
+its writes in the spool, and opens the archive in the background with a back-off; what needs the
+archive at start (the spool's replay, marking interrupted runs aborted, the last results, stack
+and health records) runs when it opens. On SIGTERM or SIGINT the loops stop, the
 scheduler finishes its running job, the finished rollup periods are written, and the process
 exits 0.
 """
@@ -25,18 +30,26 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.process_collector import ProcessCollector
 from sqlalchemy.exc import SQLAlchemyError
 
-from agent.archive.database import ArchiveError, current_revision, open_engine, upgrade
+from agent.archive.database import (
+    ArchiveError,
+    ArchiveUnavailable,
+    check_engine,
+    current_revision,
+    make_engine,
+    upgrade,
+)
 from agent.archive.job import ArchiveJob, LocalRollups
 from agent.archive.probe_runs import latest_results
 from agent.archive.sink import ArchiveSink
-from agent.archive.spool import Spool, SpoolError
+from agent.archive.spool import Spool
 from agent.archive.stack_snapshots import StackNotFound, StoredStack, find, last_stack
 from agent.config.settings import Settings, redact_url
+from agent.datadir_lock import DataDirInUse, DataDirLock
 from agent.drift.job import DriftJob
 from agent.exporter.metrics import AgentMetrics
 from agent.exporter.server import ExporterApp, ExporterServer, ListenError
 from agent.health import records
-from agent.health.monitor import HealthMonitor
+from agent.health.monitor import HealthMonitor, pci_gpus
 from agent.occupancy.tracker import Occupancy
 from agent.probes.devices import TelemetryCapture
 from agent.probes.runner import ProbeRunner
@@ -57,6 +70,7 @@ log = logging.getLogger(__name__)
 STOP_GRACE_SECONDS = 3.0
 SPOOL_DRAIN_SECONDS = 5.0  # at shutdown; what is left waits in the spool for the next start
 STARTUP_REPLAY_SECONDS = 30.0
+OPEN_RETRY_SECONDS = (1.0, 60.0)  # the background open's back-off, first and longest
 SWITCH_INTERVAL_SECONDS = 0.001
 CLEARS_POLL_SECONDS = 5.0  # how soon `sustain health clear` reaches a running agent
 DAY = 86_400.0
@@ -128,6 +142,7 @@ class Agent:
                     probes=lambda: self.probes.status(),  # noqa: PLW0108 - probes come later
                     docs_url=settings.exporter.docs_url,
                     telemetry=self.store.latest,
+                    archive_writer=lambda: self.archive_job.status().writer_running,
                 ),
                 web_config_file=settings.exporter.web_config_file,
                 header_timeout_seconds=settings.exporter.header_timeout_seconds,
@@ -238,52 +253,115 @@ class Agent:
             ),
             couplings=lambda: self.probes.couplings(),  # noqa: PLW0108 - probes come later
             cpu=self.settings.host.enabled,
+            loops=lambda: self.loop_statuses(),  # noqa: PLW0108 - the loops come later
+            pci_gpus=pci_gpus(self.settings.host.sysfs) if self.settings.nvml.enabled else (),
+            known=lambda: records.known_devices(self._engine, node),
         )
 
     def _open_archive(
         self, url: str, node: str
     ) -> tuple[StoredStack | None, list[tuple[ProbeKey, float, ProbeResult]]]:
-        """Open and upgrade the archive, replay the spool, mark interrupted runs aborted; return
-        the stack this node last ran on and the latest result of each of its probes."""
+        """Make the engine and the sink, then open the archive (``_open_now``); return the stack
+        this node last ran on and the latest result of each of its probes. Only a mistake in the
+        configuration raises; an archive out of reach is opened later (``_open_later``)."""
         settings = self.settings
         try:
-            self._engine = open_engine(url)
-            if settings.archive.auto_upgrade:
-                before = current_revision(self._engine)
-                upgrade(self._engine)
-                after = current_revision(self._engine)
-                if after != before:
-                    log.info("archive schema upgraded from %s to %s", before or "empty", after)
-            self.sink = ArchiveSink(self._engine, node, Spool(settings.spool_path))
-            if self._engine.dialect.name == "postgresql":
-                self.local = self._open_local_rollups(node)
-            # What the last run left in the spool goes first, so that its probe runs are complete
-            # before the unfinished ones are marked aborted.
-            if not self.sink.drain(deadline=time.monotonic() + STARTUP_REPLAY_SECONDS):
-                log.warning("the spool is not empty yet: replaying it in the background")
+            self._engine = make_engine(url)
+        except ArchiveUnavailable:
+            self._engine = make_engine(url, create_directory=False)
+        except ArchiveError as exc:
+            raise StartupError(str(exc)) from None
+        self.sink = ArchiveSink(self._engine, node, Spool(settings.spool_path), ready=False)
+        if self._engine.dialect.name == "postgresql":
+            self.local = self._open_local_rollups(node)
+        try:
+            return self._open_now()
+        except ArchiveUnavailable as exc:
+            log.error(
+                "%s; serving metrics and keeping archive writes in %s until it opens "
+                "(retried in the background)",
+                exc,
+                settings.spool_path,
+            )
+        except ArchiveError as exc:
+            raise StartupError(str(exc)) from None
+        return None, []
+
+    def _open_now(self) -> tuple[StoredStack | None, list[tuple[ProbeKey, float, ProbeResult]]]:
+        """Connect, upgrade, replay the spool, mark interrupted runs aborted, read what the probe
+        gauges and the stack tracker start from. ArchiveUnavailable while out of reach."""
+        check_engine(self._engine)
+        if self.settings.archive.auto_upgrade:
+            before = current_revision(self._engine)
+            upgrade(self._engine)
+            after = current_revision(self._engine)
+            if after != before:
+                log.info("archive schema upgraded from %s to %s", before or "empty", after)
+        self.sink.ready.set()
+        # What the last run left in the spool goes first, so that its probe runs are complete
+        # before the unfinished ones are marked aborted.
+        if not self.sink.drain(deadline=time.monotonic() + STARTUP_REPLAY_SECONDS):
+            log.warning("the spool is not empty yet: replaying it in the background")
+        try:
             aborted = self.sink.probe_runs.abort_unfinished()
             # The probe gauges show the last results from the start, not only after the next run.
-            restored = latest_results(self._engine, node)
-            previous = last_stack(self._engine, node)
+            restored = latest_results(self._engine, self.settings.agent.node)
+            previous = last_stack(self._engine, self.settings.agent.node)
             stored = find(self._engine, previous) if previous is not None else None
-        except (ArchiveError, SpoolError) as exc:
-            raise StartupError(str(exc)) from None
         except StackNotFound:
             stored = None
+        except (ArchiveError, SQLAlchemyError) as exc:
+            log.warning("archive opened, but the last results cannot be read: %s", exc)
+            return None, []
         if aborted:
             log.warning(
                 "%d probe run(s) were interrupted by the last stop: recorded as aborted", aborted
             )
         return stored, restored
 
+    def _open_later(self) -> None:
+        """The archive was out of reach at start: try again with a back-off until it opens."""
+        backoff, longest = OPEN_RETRY_SECONDS
+        while not self._stop.wait(backoff):
+            try:
+                _, restored = self._open_now()
+            except ArchiveUnavailable as exc:
+                log.debug("archive still out of reach: %s", exc)
+                backoff = min(longest, backoff * 2)
+                continue
+            except ArchiveError as exc:
+                log.error("archive cannot be used: %s (restart once it is fixed)", exc)
+                return
+            log.info(
+                "archive %s opened; replaying the spool", redact_url(self.settings.database_url)
+            )
+            if self.probes.restore(restored):
+                log.info(
+                    "restored the latest result of %d probe(s) from the archive", len(restored)
+                )
+            if self.health is not None:
+                self._restore_health()
+            self.sink.wake()
+            return
+
     def _open_local_rollups(self, node: str) -> LocalRollups:
         """The node-local SQLite archive of a fleet agent's rollups, migrated, its spool
-        replayed. It holds the same schema as any archive; only rollups are written to it."""
+        replayed. It holds the same schema as any archive; only rollups are written to it.
+        A local file that cannot be written now (a full disk) keeps its rollups in its spool."""
         settings = self.settings
-        engine = open_engine(settings.local_database_url)
-        upgrade(engine)
-        sink = ArchiveSink(engine, node, Spool(settings.local_spool_path))
-        sink.drain(deadline=time.monotonic() + STARTUP_REPLAY_SECONDS)
+        try:
+            engine = make_engine(settings.local_database_url)
+        except ArchiveError as exc:
+            raise StartupError(str(exc)) from None
+        sink = ArchiveSink(engine, node, Spool(settings.local_spool_path), ready=False)
+        try:
+            check_engine(engine)
+            upgrade(engine)
+        except ArchiveError as exc:
+            log.error("%s; the local rollups wait in %s", exc, settings.local_spool_path)
+        else:
+            sink.ready.set()
+            sink.drain(deadline=time.monotonic() + STARTUP_REPLAY_SECONDS)
         log.info(
             "rollups of %d s stay on this node in %s; the fleet database gets %s",
             settings.archive.rollup_seconds,
@@ -347,8 +425,10 @@ class Agent:
 
     def _restore_health(self) -> None:
         """What the archive holds since the node booted: XIDs, recent results for the baseline,
-        operators' acknowledgements."""
+        operators' acknowledgements. Until the archive opens, nothing (_open_later calls it)."""
         assert self.health is not None
+        if not self.sink.ready.is_set():
+            return
         settings = self.settings.health
         node = self.settings.agent.node
         boot = self._clears_since
@@ -366,7 +446,7 @@ class Agent:
     def poll_clears(self) -> None:
         """Operators' acknowledgements (``sustain health clear``) reach the monitor through the
         archive, so that they work with or without the daemon running."""
-        if self.health is None:
+        if self.health is None or not self.sink.ready.is_set():
             return
         try:
             found = records.clears(self._engine, self.settings.agent.node, self._clears_since)
@@ -402,6 +482,8 @@ class Agent:
         self.sink.start_draining()
         if self.local is not None:
             self.local.sink.start_draining()
+        if not self.sink.ready.is_set():
+            threading.Thread(target=self._open_later, name="archive-open", daemon=True).start()
         self.occupancy.start()
         for loop in self.loops:
             loop.start()
@@ -429,11 +511,14 @@ class Agent:
             status = self.sink.status()
             log.warning(
                 "%d archive writes (%d rollup rows, %d events) stay in the spool %s and are "
-                "replayed at the next start",
+                "replayed at the next start%s",
                 status.spool_items,
                 status.pending_rows,
                 status.pending_events,
                 self.sink.spool.path,
+                f"; {status.memory_items} held in memory are lost (the spool cannot take them)"
+                if status.memory_items
+                else "",
             )
         self.sink.spool.close()
         if self.local is not None:
@@ -462,8 +547,20 @@ def run(settings: Settings) -> int:
     # Installed before start-up, so a signal during migrations still ends in an orderly stop.
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    agent = Agent(settings, stop=stop)
-    agent.start()
-    agent.wait()
-    agent.stop()
+    lock = DataDirLock(settings.agent.data_dir)
+    try:
+        lock.acquire()
+    except DataDirInUse as exc:
+        raise StartupError(str(exc)) from None
+    try:
+        agent = Agent(settings, stop=stop)
+    except BaseException:
+        lock.abandon()
+        raise
+    try:
+        agent.start()
+        agent.wait()
+        agent.stop()
+    finally:
+        lock.release()
     return 0

@@ -421,17 +421,30 @@ def test_no_command_shows_the_password_of_a_database_that_fails(
     outputs = {}
     for command in COMMANDS:
         outputs[command] = sustain(*command, "--database", url)
-    outputs[("run",)] = sustain(
-        "run", "--database", url, "--listen", "127.0.0.1:0", "--data-dir", str(tmp_path)
-    )
-    outputs[("run", "env")] = sustain(
-        "run",
-        "--listen",
-        "127.0.0.1:0",
-        "--data-dir",
-        str(tmp_path),
-        env={"SUSTAIN_ARCHIVE__DATABASE_URL": url},
-    )
+    if case == 2:  # a malformed URL is a configuration error: the daemon exits 2
+        outputs[("run",)] = sustain(
+            "run", "--database", url, "--listen", "127.0.0.1:0", "--data-dir", str(tmp_path)
+        )
+        outputs[("run", "env")] = sustain(
+            "run",
+            "--listen",
+            "127.0.0.1:0",
+            "--data-dir",
+            str(tmp_path),
+            env={"SUSTAIN_ARCHIVE__DATABASE_URL": url},
+        )
+    else:  # a database out of reach is not: the daemon runs, retries and says why in its log
+        for name, args, env in (
+            ("run", ("--database", url), {}),
+            ("run-env", (), {"SUSTAIN_ARCHIVE__DATABASE_URL": url}),
+        ):
+            agent = start_agent(tmp_path / name, *args, env=env)
+            agent.wait_for("sustain_archive_up 0")
+            code, _, err = agent.terminate()
+            assert code == 0, err
+            assert "does not exist" in err, err
+            for secret in secrets:
+                assert secret not in err, (name, err)
     config_file = tmp_path / "sustain.toml"
     config_file.write_text(f'[archive]\ndatabase_url = "{url}"\n')
     config_file.chmod(0o600)

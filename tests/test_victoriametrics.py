@@ -67,6 +67,8 @@ NO_DATA = {
     "alert SustainCollectorErrors": "no collector fails half its polls",
     "alert SustainArchiveSpoolBacklog": "the archive is reachable: nothing waits in the spool",
     "alert SustainArchiveWritesRejected": "the archive rejects no write",
+    "alert SustainArchiveWritesLost": "the spool takes every write: nothing is dropped",
+    "alert SustainArchiveNotWriting": "the archive is open and writes: nothing waits for long",
 }
 # Series that exist only once something went wrong, which is why the alerts on them are quiet.
 ABSENT_WHILE_WELL = {

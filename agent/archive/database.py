@@ -29,7 +29,7 @@ from alembic.script import ScriptDirectory
 from alembic.util import CommandError
 from sqlalchemy import Connection, Engine, create_engine, event
 from sqlalchemy.engine import URL
-from sqlalchemy.exc import ArgumentError, NoSuchModuleError, SQLAlchemyError
+from sqlalchemy.exc import ArgumentError, DBAPIError, NoSuchModuleError, SQLAlchemyError
 
 from agent.archive import partitions
 from agent.config import database_url
@@ -40,6 +40,10 @@ MIGRATIONS = Path(__file__).parent / "migrations"
 SUPPORTED_BACKENDS = ("sqlite", "postgresql")
 SQLITE_BUSY_TIMEOUT_MS = 10_000
 CONNECT_TIMEOUT_S = 10
+POOL_RECYCLE_S = 300  # a pooled session lives at most this long (settings changed under it)
+LOCK_TIMEOUT = "10s"  # a write waiting on another session's lock fails and is retried
+STATEMENT_TIMEOUT = "60s"
+READ_ONLY_SQLSTATE = "25006"  # read_only_sql_transaction: the session is stale, get a fresh one
 
 # What psycopg puts before the reason; the URL in our message already names the server.
 _NOISE = re.compile(
@@ -49,6 +53,20 @@ _NOISE = re.compile(
 
 class ArchiveError(Exception):
     """The archive database cannot be opened, migrated or written. The message is one line."""
+
+
+class ArchiveUnavailable(ArchiveError):
+    """The database cannot be reached or written now (a server down, a full disk, a lock): not a
+    mistake in the configuration, so the daemon keeps running and tries again."""
+
+
+_UNAVAILABLE = ("OperationalError", "InterfaceError", "InternalError")
+
+
+def _unavailable(exc: SQLAlchemyError) -> bool:
+    if isinstance(exc, DBAPIError):
+        return exc.connection_invalidated or type(exc).__name__ in _UNAVAILABLE
+    return True  # pool timeouts, disconnects before a statement ran
 
 
 def _reason(exc: BaseException, url: URL) -> str:
@@ -161,11 +179,38 @@ def _postgresql_engine(parsed: URL) -> Engine:
     # may run on another server connection, where the statement is missing or taken, and the
     # error would set the item aside as rejected. What they save, a parse and plan of each
     # statement, is small beside the round trips and the commit.
-    return _create_engine(
+    #
+    # Pooled sessions do not live forever (pool_recycle): a session keeps the settings it started
+    # with (``ALTER DATABASE ... SET default_transaction_read_only`` and its reset reach only new
+    # ones), and one that finds itself read-only is dropped with the whole pool (_on_error). Lock
+    # and statement timeouts are set on each new session with SET rather than a startup
+    # ``options`` packet, which PgBouncer refuses unless told to ignore it.
+    engine = _create_engine(
         parsed,
         pool_pre_ping=True,
+        pool_recycle=POOL_RECYCLE_S,
         connect_args={"connect_timeout": CONNECT_TIMEOUT_S, "prepare_threshold": None},
     )
+    event.listen(engine, "connect", _on_postgresql_connect)
+    event.listen(engine, "handle_error", _on_error)
+    return engine
+
+
+def _on_postgresql_connect(dbapi_connection: Any, _record: Any) -> None:
+    autocommit = dbapi_connection.autocommit
+    dbapi_connection.autocommit = True
+    try:
+        with dbapi_connection.cursor() as cursor:
+            cursor.execute(f"SET lock_timeout = '{LOCK_TIMEOUT}'")
+            cursor.execute(f"SET statement_timeout = '{STATEMENT_TIMEOUT}'")
+    finally:
+        dbapi_connection.autocommit = autocommit
+
+
+def _on_error(context: Any) -> None:
+    sqlstate = getattr(context.original_exception, "sqlstate", None)
+    if sqlstate == READ_ONLY_SQLSTATE:
+        context.is_disconnect = True  # invalidates the session (and the pool): retried fresh
 
 
 def _create_directory(directory: Path) -> None:
@@ -183,11 +228,29 @@ def _create_directory(directory: Path) -> None:
 
 def open_engine(url: str) -> Engine:
     """An engine on the archive database, known to be reachable (and writable, for SQLite)."""
+    engine = make_engine(url)
+    check_engine(engine)
+    return engine
+
+
+def make_engine(url: str, *, create_directory: bool = True) -> Engine:
+    """An engine on the archive database, not yet connected: an ArchiveError here is a mistake
+    in the configuration (the URL, the driver, a file where a directory should be), an
+    ArchiveUnavailable a directory that cannot be made now (a full or read-only disk)."""
     parsed = _parse(url)
     backend = parsed.get_backend_name()
     path = _sqlite_file(parsed) if backend == "sqlite" else None
-    if path is not None:
-        _create_directory(path.parent)
+    if path is not None and create_directory:
+        try:
+            _create_directory(path.parent)
+        except ArchiveError as exc:
+            if isinstance(exc.__cause__, OSError) and exc.__cause__.errno in (
+                errno.ENOSPC,
+                errno.EIO,
+                errno.EROFS,
+            ):
+                raise ArchiveUnavailable(str(exc)) from exc
+            raise
     if backend == "sqlite":
         engine = _create_engine(parsed)
         event.listen(engine, "connect", _on_sqlite_connect)
@@ -197,15 +260,26 @@ def open_engine(url: str) -> Engine:
         # The monthly partitions a committed transaction made exist for good; see partitions.
         event.listen(engine, "commit", partitions.remember)
         event.listen(engine, "rollback", partitions.forget)
+    return engine
+
+
+def check_engine(engine: Engine) -> None:
+    """Connect once (and for SQLite, show the file writable); ArchiveUnavailable when not."""
+    sqlite = engine.dialect.name == "sqlite"
+    path = _sqlite_file(engine.url) if sqlite else None
     try:
+        if path is not None:
+            _create_directory(path.parent)
         with engine.connect() as connection:
-            if backend == "sqlite":
+            if sqlite:
                 _check_sqlite_writable(connection)
     except SQLAlchemyError as exc:
         engine.dispose()
-        action = "open database" if backend == "sqlite" else "connect to database"
-        raise archive_error(action, parsed, exc) from exc
-    return engine
+        action = "open database" if sqlite else "connect to database"
+        error = archive_error(action, engine, exc)
+        raise ArchiveUnavailable(str(error)) from exc
+    except ArchiveError as exc:
+        raise ArchiveUnavailable(str(exc)) from exc
 
 
 def _no_archive(url: URL) -> ArchiveError:
@@ -301,7 +375,10 @@ def upgrade(engine: Engine, revision: str = "head") -> None:
             ):
                 # This month's partitions and the next ones, before the first write needs them.
                 partitions.ensure_around(connection, datetime.now(UTC))
-    except (SQLAlchemyError, CommandError) as exc:  # CommandError: a revision this agent lacks
+    except SQLAlchemyError as exc:
+        error = archive_error("migrate database", engine, exc)
+        raise (ArchiveUnavailable(str(error)) if _unavailable(exc) else error) from exc
+    except CommandError as exc:  # a revision this agent lacks
         raise archive_error("migrate database", engine, exc) from exc
 
 
@@ -311,7 +388,7 @@ def current_revision(engine: Engine) -> str | None:
         with engine.connect() as connection:
             return MigrationContext.configure(connection).get_current_revision()
     except SQLAlchemyError as exc:
-        raise archive_error("read database", engine, exc) from exc
+        raise ArchiveUnavailable(str(archive_error("read database", engine, exc))) from exc
 
 
 def head_revision() -> str | None:

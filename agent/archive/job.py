@@ -1,8 +1,9 @@
 """The scheduled archive job: hand finished rollup periods and noticed events to the archive sink,
 and apply each table's retention.
 
-The sink spools everything durably before it reaches the database (agent/archive/sink.py), so
-nothing handed over here is held in memory only.
+The sink spools everything durably before it reaches the database (agent/archive/sink.py); only
+while the spool cannot be written does it hold writes in memory (bounded, what overflows counted
+as lost).
 """
 
 from __future__ import annotations
@@ -207,4 +208,12 @@ class ArchiveJob:
             spool_oldest_timestamp=min(oldest) if oldest else None,
             rejected=fleet.rejected + local.rejected,
             write_conflicts_retried=fleet.write_conflicts_retried + local.write_conflicts_retried,
+            up=fleet.up and local.up,
+            lost={
+                kind: fleet.lost.get(kind, 0) + local.lost.get(kind, 0)
+                for kind in fleet.lost.keys() | local.lost.keys()
+            },
+            spool_errors=fleet.spool_errors + local.spool_errors,
+            memory_items=fleet.memory_items + local.memory_items,
+            writer_running=fleet.writer_running and local.writer_running,
         )

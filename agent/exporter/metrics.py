@@ -502,6 +502,37 @@ class AgentMetrics(PromCollector):
             "Spooled writes the database refused for good (kept in the spool's rejected table).",
             value=archive.rejected,
         )
+        yield GaugeMetricFamily(
+            "sustain_archive_up",
+            "1 while the archive database is open and its last write succeeded; 0 while it is "
+            "out of reach (writes wait in the spool).",
+            value=1.0 if archive.up else 0.0,
+        )
+        yield GaugeMetricFamily(
+            "sustain_archive_writer_up",
+            "1 while the thread that writes the spool to the database runs (see /healthz).",
+            value=1.0 if archive.writer_running else 0.0,
+        )
+        yield GaugeMetricFamily(
+            "sustain_archive_memory_items",
+            "Writes held in memory because the spool could not take them (a full disk, a lock).",
+            value=archive.memory_items,
+        )
+        yield CounterMetricFamily(
+            "sustain_archive_spool_errors",
+            "Failed reads and writes of the local spool (retried; writes held in memory).",
+            value=archive.spool_errors,
+        )
+        lost = CounterMetricFamily(
+            "sustain_archive_lost",
+            "Records dropped without reaching the archive, by kind of write (rollups and events "
+            "in rows, others one per write): the memory queue overflowed while the spool could "
+            "not be written.",
+            labels=["kind"],
+        )
+        for kind, records in sorted(archive.lost.items()):
+            lost.add_metric([kind], records)
+        yield lost
 
 
 def _stack_families(status: StackStatus) -> Iterator[Metric]:

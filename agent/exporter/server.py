@@ -4,8 +4,9 @@ A small WSGI application on wsgiref's server, with requests on a bounded pool of
 their headers are complete (HeaderGate), so that a slow scraper never blocks another and clients
 that never finish a request cost no thread (limits: docs/security.md); prometheus_client renders
 /metrics (with gzip and OpenMetrics negotiation). /healthz answers 503 when a sampler loop has
-stalled, so a liveness probe restarts an agent whose sampling is stuck even though its HTTP thread
-still answers.
+stalled or the archive writer's thread has ended (``stalled: archive writer``), so a liveness
+probe restarts an agent whose sampling or archiving is stuck even though its HTTP thread still
+answers.
 
 With ``exporter.web_config_file`` (agent/config/webconfig.py) the same server speaks TLS and asks
 for basic auth. The TLS handshake runs in the connection's own thread, not in the accept loop, so a
@@ -592,9 +593,11 @@ class ExporterApp:
         probes: Callable[[], ProbeStatus] | None = None,
         docs_url: str = "",
         telemetry: Callable[[], Sequence[Sample]] | None = None,
+        archive_writer: Callable[[], bool] | None = None,
     ) -> None:
         self._metrics = CachedMetrics(registry)
         self._loops = loops
+        self._archive_writer = archive_writer
         self._landing = LandingSources(node, loops, health, probes, docs_url, telemetry)
 
     def __call__(self, environ: Environ, start_response: StartResponse) -> Iterable[bytes]:
@@ -604,6 +607,8 @@ class ExporterApp:
             return result
         if path == "/healthz":
             stalled = [status.collector for status in self._loops() if status.stalled]
+            if self._archive_writer is not None and not self._archive_writer():
+                stalled.append("archive writer")  # its thread ended: a restart brings it back
             if stalled:
                 body = ("stalled: " + ", ".join(stalled) + "\n").encode()
                 start_response("503 Service Unavailable", [("Content-Type", "text/plain")])
