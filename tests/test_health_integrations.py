@@ -595,6 +595,39 @@ def test_nhc_check_passes_without_a_verdict(slurm_node: SlurmNode) -> None:
     assert "exited 2): unknown: no verdict" in output
 
 
+@pytest.mark.parametrize(
+    ("status", "summary"),
+    [
+        (2, "unknown: GPU 1 not_sampled"),
+        (2, "unknown: GPU 0, GPU 1, CPU (archive, 30 d old)"),
+        (0, "healthy: GPU 0, GPU 1, CPU (archive, 2 min old)"),
+        (124, ""),
+    ],
+)
+def test_nhc_keeps_a_node_it_drained_for_sustain_without_live_evidence(
+    slurm_node: SlurmNode, status: int, summary: str
+) -> None:
+    # NHC resumes a node it took offline once every check passes: passing on unknown or on an
+    # archived verdict would undo sustain's drain for XID 79 while the GPU is still lost.
+    slurm_node.show("IDLE+DRAIN", f"NHC: sustain: {UNHEALTHY}")
+    returned, output = nhc_check(slurm_node, status, summary)
+    assert returned == 1
+    assert output.splitlines()[-1] == f"die 1 sustain: {UNHEALTHY}"
+
+
+def test_nhc_resumes_a_node_it_drained_for_sustain_on_live_healthy_evidence(
+    slurm_node: SlurmNode,
+) -> None:
+    slurm_node.show("IDLE+DRAIN", f"NHC: sustain: {UNHEALTHY}")
+    assert nhc_check(slurm_node, 0, "healthy: GPU 0, GPU 1, CPU") == (0, "")
+
+
+def test_nhc_leaves_another_tools_drain_to_that_tool(slurm_node: SlurmNode) -> None:
+    slurm_node.show("IDLE+DRAIN", "NHC: check_fs_mount: /scratch")
+    returned, _ = nhc_check(slurm_node, 2, "unknown: GPU 1 not_sampled")
+    assert returned == 0
+
+
 # The HealthCheckProgram is a POSIX sh program slurmd executes; NHC sources its checks in bash.
 @pytest.mark.parametrize(("script", "shell"), [(HEALTHCHECK, "sh"), (NHC_CHECK, "bash")])
 def test_slurm_files_pass_shellcheck(script: Path, shell: str) -> None:

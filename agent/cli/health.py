@@ -2,10 +2,12 @@
 
 The verdict comes from the running agent's /metrics when it answers (live), else from the
 archive: the last verdict the agent recorded for each device, the acknowledgements since, and the
-fleet baseline recomputed from the probe results. Exit codes follow node-problem-detector's
-custom plugins: 0 every device healthy, 1 a device degraded or unhealthy, 2 unknown (no verdict
-to be had) or bad input. The first line of the text output is a summary short enough for a node
-condition's message (``--max-length``); ``--summary`` prints it alone.
+fleet baseline recomputed from the probe results; an archived verdict whose evidence is older than
+``health.max_evidence_age_seconds`` is unknown (``stale_evidence``). Exit codes follow
+node-problem-detector's custom plugins: 0 every device healthy, 1 a device degraded or unhealthy,
+2 unknown (no verdict to be had, evidence missing or too old) or bad input. The first line of the
+text output is a summary short enough for a node condition's message (``--max-length``);
+``--summary`` prints it alone.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import getpass
 import json
 import os
+import ssl
 import time
 import urllib.error
 import urllib.request
@@ -25,6 +28,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from agent.config.problems import one_line
 from agent.config.settings import Settings
 from agent.health import records
+from agent.health.monitor import age_text
 from agent.health.rules import SEVERITY, Finding, state_of, worst
 
 EXIT_HEALTHY = 0
@@ -47,6 +51,7 @@ class Verdict:
     findings: list[Finding] = field(default_factory=list)
     acknowledged: list[Finding] = field(default_factory=list)
     state: str = "healthy"
+    evidence_at: float | None = None  # an archived verdict's evidence time; None: live
 
     def settle(self) -> None:
         self.findings.sort(key=lambda f: f.reason)
@@ -60,6 +65,7 @@ class Verdict:
             "state": self.state,
             "reasons": [f.as_dict() for f in self.findings],
             "acknowledged": [f.as_dict() for f in self.acknowledged],
+            "evidence_at": None if self.evidence_at is None else round(self.evidence_at, 3),
         }
 
 
@@ -70,6 +76,7 @@ class NodeHealth:
     where: str
     devices: list[Verdict]
     note: str = ""
+    checked_at: float = field(default_factory=time.time)
 
     @property
     def state(self) -> str:
@@ -77,9 +84,17 @@ class NodeHealth:
             return "unknown"
         return max((d.state for d in self.devices), key=SEVERITY.__getitem__)
 
+    @property
+    def evidence_age(self) -> float | None:
+        """Seconds since the oldest archived evidence; None for a live verdict."""
+        times = [d.evidence_at for d in self.devices if d.evidence_at is not None]
+        return self.checked_at - min(times) if times else None
+
 
 def _name(label: str, uuid: str) -> str:
-    if label == "cpu" or not uuid:
+    if label in {"cpu", "node"}:
+        return "CPU" if label == "cpu" else "node"
+    if not label:
         return "CPU"
     return f"GPU {label} MIG" if uuid.startswith("MIG-") else f"GPU {label}"
 
@@ -93,13 +108,21 @@ def _metrics_url(settings: Settings) -> str:
     return f"http://{f'[{host}]' if ':' in host else host}:{port}/metrics"
 
 
-def live(url: str) -> list[Verdict] | str:
-    """The verdicts the agent exports at ``url``; a one-line reason where it does not answer."""
+def live(
+    url: str, authorization: str | None = None, context: ssl.SSLContext | None = None
+) -> list[Verdict] | str:
+    """The verdicts the agent exports at ``url``; a one-line reason where it does not answer.
+    ``authorization``: the header for an agent behind basic auth (``--user``)."""
+    request = urllib.request.Request(url)  # noqa: S310 - the operator's --metrics URL
+    if authorization is not None:
+        request.add_unredirected_header("Authorization", authorization)
     try:
-        with urllib.request.urlopen(url, timeout=LIVE_TIMEOUT_SECONDS) as response:  # noqa: S310
+        with urllib.request.urlopen(  # noqa: S310
+            request, timeout=LIVE_TIMEOUT_SECONDS, context=context
+        ) as response:
             text = response.read(MAX_METRICS_BYTES).decode("utf-8", "replace")
     except urllib.error.HTTPError as exc:
-        return f"the agent answered HTTP {exc.code} at {url}"
+        return f"the agent answered HTTP {exc.code} at {url}{_auth_hint(exc.code, authorization)}"
     except (OSError, ValueError) as exc:
         return f"the agent does not answer at {url} ({one_line(str(exc), limit=80)})"
     devices: dict[tuple[str, str], Verdict] = {}
@@ -132,16 +155,25 @@ def live(url: str) -> list[Verdict] | str:
     return list(devices.values())
 
 
+def _auth_hint(code: int, authorization: str | None) -> str:
+    if code != 401:
+        return ""
+    if authorization is None:
+        return " (it wants basic auth: --user, docs/security.md)"
+    return " (the --user and password were refused)"
+
+
 def _archived(engine: Any, settings: Settings) -> list[Verdict]:
     """The last recorded verdicts, less what was acknowledged since, plus the fleet baseline."""
     node = settings.agent.node
     health = settings.health
     verdicts: dict[str, Verdict] = {}
+    now = time.time()
     for key, recorded in records.recorded(engine, node).items():
         verdict = Verdict(key, recorded.label, recorded.uuid, recorded.name or key)
         verdict.findings = [Finding.from_dict(item) for item in recorded.findings]
+        verdict.evidence_at = recorded.evidence_at
         verdicts[key] = verdict
-    now = time.time()
     own = records.own_results(engine, node, health.baseline_runs, now - 365 * 86_400)
     for (key, label, identity), results in own.items():
         base = records.baseline(engine, identity, node, key, now - health.baseline_days * 86_400)
@@ -167,9 +199,24 @@ def _archived(engine: Any, settings: Settings) -> list[Verdict]:
             ]
             verdict.acknowledged += covered
             verdict.findings = [f for f in verdict.findings if f not in covered]
+    limit = health.max_evidence_age_seconds
     for verdict in verdicts.values():
+        age = now - (verdict.evidence_at if verdict.evidence_at is not None else now)
+        # A clock stepped back by more than the limit leaves the age unknowable: stale too.
+        if abs(age) > limit:
+            verdict.findings.append(
+                Finding(
+                    "stale_evidence",
+                    "unknown",
+                    f"the archived verdict's evidence is {age_text(age)} old (more than "
+                    f"health.max_evidence_age_seconds = {limit:g})"
+                    if age > 0
+                    else "the archived verdict is dated in the future (the clock stepped back)",
+                    verdict.evidence_at or now,
+                )
+            )
         verdict.settle()
-    return list(verdicts.values())
+    return [v for v in verdicts.values() if v.key != "node" or v.findings or v.acknowledged]
 
 
 def _with_evidence(verdicts: Iterable[Verdict], archived: Sequence[Verdict]) -> None:
@@ -187,11 +234,15 @@ def node_health(
     *,
     metrics: str | None,
     use_live: bool,
+    authorization: str | None = None,
+    context: ssl.SSLContext | None = None,
 ) -> NodeHealth:
     """The node's verdict: live where the agent answers, else from the archive."""
     node = settings.agent.node
     url = metrics or _metrics_url(settings)
-    found: list[Verdict] | str = live(url) if use_live else "not asked (--no-live)"
+    found: list[Verdict] | str = (
+        live(url, authorization, context) if use_live else "not asked (--no-live)"
+    )
     engine = None
     archived: list[Verdict] = []
     archive_problem = ""
@@ -216,7 +267,7 @@ def _ordered(verdicts: list[Verdict]) -> list[Verdict]:
     def order(verdict: Verdict) -> tuple[int, int, str]:
         label = verdict.label
         return (
-            label == "cpu" or not verdict.uuid,
+            {"cpu": 1, "node": 2}.get(label, 0),
             int(label) if label.isdigit() else 0,
             verdict.uuid,
         )
@@ -226,12 +277,21 @@ def _ordered(verdicts: list[Verdict]) -> list[Verdict]:
 
 def summary(health: NodeHealth, limit: int) -> str:
     """One line within ``limit`` characters: the worst states first, with their devices and
-    reasons; shortened (reasons, then device names) rather than cut where it can be."""
+    reasons; shortened (reasons, then device names) rather than cut where it can be. A verdict
+    from the archive ends with where it is from and how old its evidence is."""
     if not health.devices:
         return _cut(f"unknown: {health.note or 'no verdict'}", limit)
+    age = health.evidence_age
+    if health.source != "archive":
+        return _summary(health, limit)
+    suffix = f" (archive, {age_text(age or 0.0)} old)"
+    return _summary(health, max(1, limit - len(suffix.encode()))) + suffix
+
+
+def _summary(health: NodeHealth, limit: int) -> str:
     groups = [
         (state, [d for d in health.devices if d.state == state])
-        for state in ("unhealthy", "degraded")
+        for state in ("unhealthy", "degraded", "unknown")
     ]
     groups = [(state, devices) for state, devices in groups if devices]
     if not groups:
@@ -301,11 +361,14 @@ def render(health: NodeHealth, limit: int) -> str:
     if health.source == "live":
         lines.append(f"(live from {health.where})")
     else:
-        lines.append(f"(from the archive of node {health.node}: {health.note})")
+        age = health.evidence_age
+        old = "" if age is None else f", evidence {age_text(age)} old"
+        lines.append(f"(from the archive of node {health.node}{old}: {health.note})")
     return "\n".join(lines)
 
 
 def as_json(health: NodeHealth, limit: int) -> str:
+    age = health.evidence_age
     return json.dumps(
         {
             "node": health.node,
@@ -313,6 +376,7 @@ def as_json(health: NodeHealth, limit: int) -> str:
             "state": health.state,
             "summary": summary(health, limit),
             "note": health.note,
+            "evidence_age_seconds": None if age is None else round(age, 3),
             "devices": [d.as_dict() for d in health.devices],
         },
         indent=2,

@@ -79,3 +79,19 @@ class HealthSection(_Section):
         gt=0,
         description="More corrected ECC errors than this over the last hour make a GPU degraded.",
     )
+    max_evidence_age_seconds: float = Field(
+        default=300.0,
+        ge=10,
+        le=DAY_SECONDS,
+        description="A verdict whose evidence is older than this is unknown: a device the agent "
+        "has not sampled for this long, and an archived verdict (the agent not answering) "
+        "recorded longer ago.",
+    )
+    expected_gpus: int | None = Field(
+        default=None,
+        ge=0,
+        le=4096,
+        description="How many GPUs this node has; fewer identified by NVML make the node "
+        "unhealthy (gpus_missing). Unset: the GPUs the node has had (the archive, the PCI bus) "
+        "are expected.",
+    )

@@ -18,8 +18,9 @@ from agent.health.rules import STATES
 def health_families(verdicts: Sequence[DeviceHealth]) -> Iterator[Metric]:
     health = GaugeMetricFamily(
         "sustain_device_health",
-        "1 for the device's current health state (healthy, degraded, unhealthy), 0 for the "
-        "others; the reasons are sustain_device_health_reason (docs/health.md).",
+        "1 for the device's current health state (healthy, degraded, unhealthy, unknown: no "
+        "current evidence), 0 for the others; the reasons are sustain_device_health_reason "
+        "(docs/health.md).",
         labels=["device", "uuid", "state"],
     )
     reasons = GaugeMetricFamily(

@@ -40,7 +40,7 @@ CONTENT_SECURITY_POLICY = "default-src 'none'; style-src 'unsafe-inline'"
 STYLE = (
     "body{font-family:sans-serif;margin:1.5em}table{border-collapse:collapse;margin-bottom:1em}"
     "td,th{border:1px solid #ccc;padding:.2em .5em;text-align:left;vertical-align:top}"
-    ".healthy,.up{color:#080}.degraded,.absent{color:#a60}.unhealthy,.down{color:#c00}"
+    ".healthy,.up{color:#080}.degraded,.absent,.unknown{color:#a60}.unhealthy,.down{color:#c00}"
 )
 
 

@@ -7,6 +7,13 @@ or reasons becomes a ``health_change`` event with the evidence, for the archive.
 
 A MIG device has its own probe findings and shares its GPU's hardware findings (an XID or a
 pending row remap on the GPU is on every MIG device of it). The CPU is a device too (key "host").
+
+No device ever drops out of the verdicts while the node still has it: a GPU the agent knew (the
+archive's verdicts, ``remember``) that is no longer sampled is ``unknown`` (``not_sampled``,
+``sampler_stalled``), one NVML cannot identify is ``unknown`` (``unidentified``) or, answering
+GPU_IS_LOST, ``unhealthy`` (``device_lost``). What concerns the node rather than one device (GPUs
+missing, NVML failing on a node that had GPUs, a stalled sampler) is on the pseudo-device "node",
+shown only while it has a reason (docs/health.md, "When the evidence is missing").
 """
 
 from __future__ import annotations
@@ -17,8 +24,9 @@ import math
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from agent.archive.probe_runs import _size as archived_size
 from agent.config.health_section import HealthSection
@@ -36,12 +44,14 @@ from agent.probes.analysis import RunAnalysis
 from agent.probes.node import Coupling
 from agent.probes.runner import ProbeDevice, ProbeRun
 from agent.probes.status import ProbeKey
+from agent.telemetry.sampler import LoopStatus
 from collectors.base import Event, Sample
 
 log = logging.getLogger(__name__)
 
 ECC_WINDOW_SECONDS = 3600.0
-STALE_SECONDS = 120.0  # a device not sampled for this long (a MIG device removed) is dropped
+NODE = "node"  # the pseudo-device of the node's own findings
+SWEEP_SECONDS = 1.0  # how often the verdicts of devices no sample reaches are re-published
 
 # NVIDIA's XID catalogue (docs.nvidia.com/deploy/xid-errors): the ones that need a reset or mean
 # the GPU is off the bus. Another XID a configuration lists is named by its number alone.
@@ -71,6 +81,7 @@ class DeviceHealth:
     state: State
     findings: tuple[Finding, ...]
     acknowledged: tuple[Finding, ...] = ()
+    evidence_at: float = 0.0  # when the device was last sampled (its evidence's time)
 
 
 @dataclass(eq=False)
@@ -91,6 +102,7 @@ class _Device:
     ecc: deque[tuple[float, float]] = field(default_factory=deque)
     acknowledged: dict[str, float] = field(default_factory=dict)
     published: tuple[State, tuple[str, ...]] | None = None
+    missing: Finding | None = None  # NVML cannot identify it (device_lost or unidentified)
 
 
 def _name(label: str, mig: str | None) -> str:
@@ -111,9 +123,15 @@ class HealthMonitor:
         couplings: Callable[[], Mapping[ProbeKey, Coupling]] | None = None,
         clock: Callable[[], float] = time.time,
         cpu: bool = True,
+        loops: Callable[[], Sequence[LoopStatus]] | None = None,
+        pci_gpus: Sequence[str] = (),
+        known: Callable[[], Iterable[tuple[str, str, str, str]]] | None = None,
     ) -> None:
         """``emit`` takes the health_change events; ``baseline`` answers the peers' medians
-        (the archive); ``couplings`` the scheduler's latest coupling ratios."""
+        (the archive); ``couplings`` the scheduler's latest coupling ratios; ``loops`` the
+        sampler loops' status (stalled, NVML absent or failing); ``pci_gpus`` the NVIDIA GPUs
+        on the PCI bus (their addresses); ``known`` the devices the archive has verdicts for,
+        read by ``restore``."""
         self.settings = settings
         self._emit = emit
         self._baseline = baseline
@@ -123,8 +141,15 @@ class HealthMonitor:
         self._lock = threading.Lock()
         self._devices: dict[str, _Device] = {}
         self._baseline_failed = False
+        self._loops = loops
+        self._known = known
+        self._pci_gpus = tuple(pci_gpus)
+        self._swept = -math.inf
+        self._started = clock()
         if cpu:
-            self._device("host", "cpu", "", None, None)
+            self._device("host", "cpu", "", None, None).seen = self._started
+        node = self._device(NODE, NODE, "", None, None)
+        node.name = "node"
 
     # -- inputs --------------------------------------------------------------------------------
 
@@ -144,10 +169,24 @@ class HealthMonitor:
                     touched.append(device)
             elif sample.collector == "nvml" and sample.readings and sample.device != "system":
                 touched.extend(self._gpu_sample(sample, now))
+            if now - self._swept >= SWEEP_SECONDS or now < self._swept:
+                self._swept = now  # devices no sample reaches go unknown, and say so once
+                touched.extend(self._devices.values())
             for device in dict.fromkeys(touched):
                 events.extend(self._publish(device, now))
         for event in events:
             self._emit(event)
+
+    def remember(self, devices: Iterable[tuple[str, str, str, str]]) -> None:
+        """GPUs the node had (key, label, uuid, name: the archive's verdicts): each keeps a
+        verdict, unknown until it is sampled again, rather than vanish from the node."""
+        with self._lock:
+            for key, label, uuid, name in devices:
+                if key in {"host", NODE} or not label or uuid.startswith("MIG-"):
+                    continue
+                device = self._device(key, label, uuid, None, None)
+                device.name = device.name or name
+                device.seen = max(device.seen, self._started)
 
     def probe_run(self, run: ProbeRun, analysis: RunAnalysis | None, stack_id: str | None) -> None:
         """Probe listener: count failures, compare a result with the fleet baseline."""
@@ -210,7 +249,13 @@ class HealthMonitor:
         own: Mapping[tuple[str, str, ProbeIdentity], list[OwnResult]],
     ) -> None:
         """What the archive holds since the node booted: XIDs (they stay until cleared or a
-        reboot) and the devices' latest results (for the baseline's consecutive runs)."""
+        reboot) and the devices' latest results (for the baseline's consecutive runs); first the
+        devices the node had (``known``), so that every one keeps a verdict."""
+        if self._known is not None:
+            try:
+                self.remember(self._known())
+            except Exception as exc:  # noqa: BLE001 - an archive fault costs the remembered set
+                log.warning("health: cannot read the devices this node had: %s", exc)
         with self._lock:
             for uuid, timestamp, xid in xids:
                 self._xid(Event("xid", uuid, timestamp, "", (("xid", str(xid)),)))
@@ -221,17 +266,135 @@ class HealthMonitor:
     # -- outputs -------------------------------------------------------------------------------
 
     def verdicts(self) -> list[DeviceHealth]:
-        """Every device sampled lately, in device order."""
+        """Every device the node has, in device order; the node's own reasons last, if any."""
         now = self._clock()
         with self._lock:
             found = [
-                self._verdict(device)
+                self._verdict(device, now)
                 for device in self._devices.values()
-                if device.label and (device.key == "host" or now - device.seen <= STALE_SECONDS)
+                if device.label and not self._gone(device, now)
             ]
-        return sorted(found, key=lambda d: (d.label == "cpu", _order(d.label), d.name))
+        found = [v for v in found if v.key != NODE or v.findings or v.acknowledged]
+        return sorted(
+            found, key=lambda d: (d.key == NODE, d.label == "cpu", _order(d.label), d.name)
+        )
 
     # -- the rules -----------------------------------------------------------------------------
+
+    # -- the evidence's age -------------------------------------------------------------------
+
+    def _fresh(self, device: _Device, now: float) -> bool:
+        return now - device.seen <= self.settings.max_evidence_age_seconds
+
+    def _gone(self, device: _Device, now: float) -> bool:
+        """A device the node no longer has: a MIG device removed while its GPU is sampled, an
+        index placeholder or a GPU whose index another GPU answers to now (a replaced GPU)."""
+        if device.key in {"host", NODE} or self._fresh(device, now):
+            return False
+        if device.parent is not None:
+            parent = self._devices.get(device.parent)
+            return parent is None or self._fresh(parent, now)
+        return any(
+            other is not device
+            and other.parent is None
+            and other.label == device.label
+            and other.uuid
+            and self._fresh(other, now)
+            for other in self._devices.values()
+        )
+
+    def _statuses(self) -> Sequence[LoopStatus]:
+        return () if self._loops is None else self._loops()
+
+    def _unsampled(self, device: _Device, now: float, stalled: set[str]) -> list[Finding]:
+        """Unknown: what the agent cannot see of the device now."""
+        collector = "host" if device.key == "host" else "nvml"
+        if device.key == NODE:
+            return []
+        age = now - device.seen
+        if collector in stalled:
+            return [
+                Finding(
+                    "sampler_stalled",
+                    "unknown",
+                    f"the {collector} sampler is stalled (every call blocks); last sampled "
+                    f"{age_text(age)} ago",
+                    device.seen,
+                )
+            ]
+        if age > self.settings.max_evidence_age_seconds and device.missing is None:
+            return [
+                Finding(
+                    "not_sampled",
+                    "unknown",
+                    f"not sampled for {age_text(age)} (health.max_evidence_age_seconds = "
+                    f"{self.settings.max_evidence_age_seconds:g})",
+                    device.seen,
+                )
+            ]
+        return []
+
+    def _node_findings(self, now: float, statuses: Sequence[LoopStatus]) -> list[Finding]:
+        """What concerns the node: a stalled sampler, NVML failing where GPUs were, GPUs
+        missing against health.expected_gpus or the PCI bus."""
+        found = []
+        stalled = sorted(s.collector for s in statuses if s.stalled)
+        if stalled:
+            found.append(
+                Finding(
+                    "sampler_stalled",
+                    "unknown",
+                    f"sampler stalled: {', '.join(stalled)} (its calls block; the devices it "
+                    "reads have no current verdict)",
+                    now,
+                )
+            )
+        nvml = next((s for s in statuses if s.collector == "nvml"), None)
+        gpus = [
+            d
+            for d in self._devices.values()
+            if d.parent is None and d.key not in {"host", NODE} and d.label
+        ]
+        expected = self.settings.expected_gpus
+        had = sorted(
+            filter(
+                None,
+                (
+                    f"health.expected_gpus = {expected}" if expected else "",
+                    f"{len(self._pci_gpus)} on the PCI bus" if self._pci_gpus else "",
+                    f"{len(gpus)} known to the archive" if gpus else "",
+                ),
+            )
+        )
+        failing = nvml is not None and (nvml.absent is not None or (not nvml.up and nvml.polls))
+        if nvml is not None and failing and had and nvml.collector not in stalled:
+            why = nvml.absent or ", ".join(sorted(nvml.errors)) or "it fails"
+            found.append(
+                Finding(
+                    "nvml_unavailable",
+                    "unhealthy",
+                    f"NVML does not answer ({why}) on a node that has GPUs ({'; '.join(had)})",
+                    now,
+                )
+            )
+        want = expected if expected is not None else len(self._pci_gpus)
+        identified = sum(1 for d in gpus if d.uuid and d.missing is None and self._fresh(d, now))
+        polled = nvml is not None and (nvml.polls > 0 or nvml.absent is not None)
+        if want and identified < want and polled:
+            source = (
+                f"health.expected_gpus = {expected}"
+                if expected is not None
+                else f"{want} NVIDIA GPUs on the PCI bus ({', '.join(self._pci_gpus[:4])})"
+            )
+            found.append(
+                Finding(
+                    "gpus_missing",
+                    "unhealthy",
+                    f"NVML identifies {identified} of {want} GPUs ({source})",
+                    now,
+                )
+            )
+        return found
 
     def _device(
         self, key: str, label: str, uuid: str, parent: str | None, mig: str | None
@@ -273,11 +436,15 @@ class HealthMonitor:
         labels = dict(next(iter(sample.readings)).labels)
         if "device" not in labels or "uuid" not in labels:
             return []
+        if not labels["uuid"]:
+            return [self._unidentified(labels["device"], sample, now)]
+        self._devices.pop(_placeholder(labels["device"]), None)
         parent = labels.get("parent")
         device = self._device(
             sample.device, labels["device"], labels["uuid"], parent, labels.get("mig_instance")
         )
         device.seen = now
+        device.missing = None
         if parent is not None:
             return [device]
         settings = self.settings
@@ -302,6 +469,39 @@ class HealthMonitor:
                 condition.reason, condition.state, condition.evidence, since
             )
         return [device, *(d for d in self._devices.values() if d.parent == device.key)]
+
+    def _unidentified(self, label: str, sample: Sample, now: float) -> _Device:
+        """GPU ``label`` NVML lists but cannot identify (the collector asks again): the GPU the
+        node had at that index, else a placeholder for it."""
+        device = next(
+            (
+                d
+                for d in self._devices.values()
+                if d.label == label and d.parent is None and d.uuid and not self._fresh(d, now)
+            ),
+            None,
+        ) or next(
+            (d for d in self._devices.values() if d.label == label and d.parent is None and d.uuid),
+            None,
+        )
+        if device is None:
+            device = self._device(_placeholder(label), label, "", None, None)
+        device.seen = now
+        if "device_lost" in sample.errors:
+            device.missing = Finding(
+                "device_lost",
+                "unhealthy",
+                f"GPU {label} answers NVML_ERROR_GPU_IS_LOST: it cannot be identified",
+                now if device.missing is None else device.missing.since,
+            )
+        else:
+            device.missing = Finding(
+                "unidentified",
+                "unknown",
+                f"NVML lists GPU {label} but cannot identify it ({', '.join(sample.errors)})",
+                now if device.missing is None else device.missing.since,
+            )
+        return device
 
     @staticmethod
     def _corrected(device: _Device, readings: Readings, timestamp: float) -> float | None:
@@ -389,8 +589,15 @@ class HealthMonitor:
             since,
         )
 
-    def _findings(self, device: _Device) -> list[Finding]:
+    def _findings(self, device: _Device, now: float) -> list[Finding]:
+        statuses = self._statuses()
+        if device.key == NODE:
+            return self._node_findings(now, statuses)
+        stalled = {s.collector for s in statuses if s.stalled}
         found = [*device.events.values(), *device.conditions.values(), *device.probe.values()]
+        found += self._unsampled(device, now, stalled)
+        if device.missing is not None:
+            found.append(device.missing)
         if device.below:
             found.append(max(device.below.values(), key=lambda finding: finding.since))
         parent = self._devices.get(device.parent) if device.parent else None
@@ -401,8 +608,8 @@ class HealthMonitor:
             ]
         return found
 
-    def _verdict(self, device: _Device) -> DeviceHealth:
-        found = self._findings(device)
+    def _verdict(self, device: _Device, now: float) -> DeviceHealth:
+        found = self._findings(device, now)
         active = tuple(f for f in found if device.acknowledged.get(f.reason, -math.inf) < f.since)
         acknowledged = tuple(f for f in found if f not in active)
         return DeviceHealth(
@@ -413,16 +620,21 @@ class HealthMonitor:
             worst(active),
             tuple(sorted(active, key=lambda f: f.reason)),
             tuple(sorted(acknowledged, key=lambda f: f.reason)),
+            now if device.key == NODE else device.seen,
         )
 
     def _publish(self, device: _Device, now: float) -> list[Event]:
         """The device's verdict; a health_change event when its state or reasons changed."""
-        if not device.label:
+        if not device.label or self._gone(device, now):
             return []
-        self._coupling(device, now)
-        verdict = self._verdict(device)
+        if device.key != NODE:
+            self._coupling(device, now)
+        verdict = self._verdict(device, now)
         current = (verdict.state, tuple(f.reason for f in verdict.findings))
         if current == device.published:
+            return []
+        if device.key == NODE and device.published is None and not verdict.findings:
+            device.published = current  # the node's pseudo-device is recorded once it has news
             return []
         previous = "unknown" if device.published is None else device.published[0]
         device.published = current
@@ -449,6 +661,35 @@ class HealthMonitor:
                 ),
             )
         ]
+
+
+def pci_gpus(sysfs: Path) -> tuple[str, ...]:
+    """The NVIDIA GPUs on the PCI bus (vendor 0x10de, class display or 3D controller): what the
+    node has whether or not NVML answers."""
+    found = []
+    for device in sorted((sysfs / "bus" / "pci" / "devices").glob("*")):
+        try:
+            vendor = (device / "vendor").read_text().strip()
+            kind = (device / "class").read_text().strip()
+        except OSError:
+            continue
+        if vendor.lower() == "0x10de" and kind.lower().startswith(("0x0300", "0x0302")):
+            found.append(device.name)
+    return tuple(found)
+
+
+def _placeholder(label: str) -> str:
+    """The key of a GPU NVML lists at index ``label`` but cannot identify."""
+    return f"gpu-index-{label}"
+
+
+def age_text(seconds: float) -> str:
+    """An age in words: 45 s, 12 min, 3.5 h, 30 d."""
+    seconds = max(0.0, seconds)
+    for unit, size in (("d", 86_400), ("h", 3600), ("min", 60)):
+        if seconds >= 2 * size:
+            return f"{seconds / size:.0f} {unit}"
+    return f"{seconds:.0f} s"
 
 
 def _order(label: str) -> tuple[int, str]:

@@ -17,7 +17,7 @@ from typing import Any
 from sqlalchemy import Engine, and_, func, select
 from sqlalchemy.orm import Session
 
-from agent.archive.models import EventRecord, ProbeRunRecord
+from agent.archive.models import EventRecord, ProbeRunRecord, TelemetryRollup
 from agent.health.rules import Finding
 
 HEALTH_CHANGE = "health_change"
@@ -77,9 +77,10 @@ class Recorded:
     label: str
     uuid: str
     name: str
-    at: float
+    at: float  # when it was recorded
     state: str
     findings: tuple[dict[str, Any], ...]
+    evidence_at: float = 0.0  # the latest sign the verdict still held: a rollup of the device
 
 
 def _time(value: datetime) -> float:
@@ -246,21 +247,43 @@ def xids(engine: Engine, node: str, since: float) -> list[tuple[str, float, int]
     return found
 
 
+# One field each collector rolls up every period: where the node's last rollup of it ends, the
+# agent was still sampling (and would have recorded a change of verdict).
+_ALIVE_FIELDS = {"host": "cpu_utilization", "gpu": "gpu_healthy"}
+
+
+def _sampled_until(engine: Engine, node: str) -> dict[str, float]:
+    """The end of the node's latest rollup of each ``_ALIVE_FIELDS`` field (an index lookup)."""
+    rollup = TelemetryRollup
+    found = {}
+    with engine.connect() as connection:
+        for kind, name in _ALIVE_FIELDS.items():
+            row = connection.execute(
+                select(rollup.period_start, rollup.period_seconds)
+                .where(rollup.node == node, rollup.field == name)
+                .order_by(rollup.period_start.desc())
+                .limit(1)
+            ).first()
+            if row is not None:
+                found[kind] = _time(row[0]) + float(row[1])
+    return found
+
+
 def recorded(engine: Engine, node: str) -> dict[str, Recorded]:
-    """The last recorded verdict of each device of ``node``."""
+    """The last recorded verdict of each device of ``node``: the last one written (the
+    archive's own sequence), not the latest ``occurred_at``, so a clock stepped back cannot
+    bring an older verdict back. ``evidence_at`` is the later of its time and the end of the
+    node's latest rollup of the device's collector: the agent sampled until then, and would
+    have recorded a change (a device no longer sampled is recorded going unknown)."""
     record = EventRecord
     last = (
-        select(record.device, func.max(record.occurred_at).label("last"))
+        select(func.max(record.id).label("last"))
         .where(record.node == node, record.kind == HEALTH_CHANGE)
         .group_by(record.device)
         .subquery()
     )
-    statement = (
-        select(record)
-        .join(last, and_(record.device == last.c.device, record.occurred_at == last.c.last))
-        .where(record.node == node, record.kind == HEALTH_CHANGE)
-        .order_by(record.id)
-    )
+    statement = select(record).join(last, record.id == last.c.last).order_by(record.id)
+    sampled = _sampled_until(engine, node)
     found: dict[str, Recorded] = {}
     with Session(engine) as session:
         for event in session.scalars(statement):
@@ -269,16 +292,25 @@ def recorded(engine: Engine, node: str) -> dict[str, Recorded]:
                 findings = json.loads(str(attributes.get("findings", "[]")))
             except ValueError:
                 findings = []
+            at = _time(event.occurred_at)
+            alive = sampled.get("host" if event.device == "host" else "gpu", at)
             found[event.device] = Recorded(
                 device=event.device,
                 label=str(attributes.get("device", "")),
                 uuid=str(attributes.get("uuid", "")),
                 name=str(attributes.get("name", event.device)),
-                at=_time(event.occurred_at),
+                at=at,
                 state=str(attributes.get("state", "")),
                 findings=tuple(item for item in findings if isinstance(item, dict)),
+                evidence_at=max(at, alive),
             )
     return found
+
+
+def known_devices(engine: Engine, node: str) -> list[tuple[str, str, str, str]]:
+    """Every device ``node`` has had a verdict for: (key, label, uuid, name), from its last
+    recorded verdict."""
+    return [(r.device, r.label, r.uuid, r.name) for r in recorded(engine, node).values() if r.label]
 
 
 def below_baseline(

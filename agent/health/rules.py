@@ -19,9 +19,11 @@ from typing import Any, Literal
 
 from collectors.base import Sample
 
-State = Literal["healthy", "degraded", "unhealthy"]
-STATES: tuple[State, ...] = ("healthy", "degraded", "unhealthy")
-SEVERITY: Mapping[str, int] = {"healthy": 0, "degraded": 1, "unhealthy": 2}
+State = Literal["healthy", "unknown", "degraded", "unhealthy"]
+STATES: tuple[State, ...] = ("healthy", "degraded", "unhealthy", "unknown")
+# Unknown ranks above healthy (no evidence is no proof of health) and below the states that
+# evidence shows: a node with one unknown and one unhealthy device is unhealthy.
+SEVERITY: Mapping[str, int] = {"healthy": 0, "unknown": 1, "degraded": 2, "unhealthy": 3}
 
 # Clock-event reasons that, at light load, are a cooling or power-delivery fault, not the load's
 # doing (NVML, nvmlClocksEventReasons: "HW Slowdown ... temperature being too high, External
@@ -35,12 +37,23 @@ HELD = frozenset(
 )  # fmt: skip
 
 UNHEALTHY_REASONS = frozenset(
-    {"device_lost", "row_remap_failed", "row_remap_pending", "probe_failures"}
+    {
+        "device_lost",
+        "row_remap_failed",
+        "row_remap_pending",
+        "probe_failures",
+        "gpus_missing",
+        "nvml_unavailable",
+    }
 )
+# No evidence either way (docs/health.md, "When the evidence is missing").
+UNKNOWN_REASONS = frozenset({"not_sampled", "unidentified", "sampler_stalled", "stale_evidence"})
 
 
 def state_of(reason: str) -> State:
     """The state a reason implies (an XID listed as unhealthy: ``xid_N``)."""
+    if reason in UNKNOWN_REASONS:
+        return "unknown"
     return "unhealthy" if reason in UNHEALTHY_REASONS or reason.startswith("xid_") else "degraded"
 
 

@@ -5,7 +5,8 @@ poll, so the sampling grid does not drift. A poll that overruns its slot makes t
 missed deadlines (counted) rather than poll in a burst to catch up. Every failure is isolated to
 its loop and counted by kind; nothing a collector does can stop another collector. A collector
 whose source is not installed on the node (``SourceUnavailable``: no NVIDIA driver) is absent,
-not failing: nothing is counted for it.
+not failing: nothing is counted for it. A loop whose poll has not finished for ``stall_after``
+(every NVML call blocking) is stalled: it reads as down, and says so once in the log.
 """
 
 from __future__ import annotations
@@ -71,6 +72,7 @@ class SamplerLoop:
         self._last_lag: float | None = None
         self._last_poll_wall: float | None = None
         self._last_progress = time.monotonic()
+        self._stall_logged = False
 
     def start(self) -> None:
         self._last_progress = time.monotonic()
@@ -165,10 +167,23 @@ class SamplerLoop:
 
     def status(self) -> LoopStatus:
         with self._lock:
+            stuck = time.monotonic() - self._last_progress
+            stalled = stuck > self.stall_after
+            if stalled != self._stall_logged:
+                self._stall_logged = stalled
+                if stalled:
+                    log.error(
+                        "collector %s: stalled, no poll finished for %.0f s (its calls block); "
+                        "it reads as down and its devices' verdicts as unknown",
+                        self.collector.name,
+                        stuck,
+                    )
+                else:
+                    log.warning("collector %s: polls again after a stall", self.collector.name)
             return LoopStatus(
                 collector=self.collector.name,
                 interval_seconds=self.interval_seconds,
-                up=self._up,
+                up=self._up and not stalled,
                 absent=self._absent,
                 polls=self._polls,
                 last_duration_seconds=self._last_duration,
@@ -176,5 +191,5 @@ class SamplerLoop:
                 last_poll_timestamp=self._last_poll_wall,
                 missed_polls=self._missed,
                 errors=dict(self._errors),
-                stalled=time.monotonic() - self._last_progress > self.stall_after,
+                stalled=stalled,
             )

@@ -206,6 +206,7 @@ class NvmlCollector:
         self._gpm = GpmReader(self._library)
         self._pending_events: list[Event] = []
         self._own: set[int] | None = None
+        self._unidentified: dict[int, tuple[str, float]] = {}  # index -> (error kind, retry at)
 
     @property
     def library(self) -> NvmlLibrary:
@@ -237,13 +238,7 @@ class NvmlCollector:
         except (Absent, CallFailed) as exc:
             raise CollectorError(f"cannot count GPUs: {exc}") from None
         for index in range(count):
-            try:
-                handle = library.call(pynvml.nvmlDeviceGetHandleByIndex, index)
-                uuid = nvml_text(library.call(pynvml.nvmlDeviceGetUUID, handle))
-            except (Absent, CallFailed, DeviceLost) as exc:
-                log.warning("GPU %d: cannot identify it (%s); skipped until restart", index, exc)
-                continue
-            self._devices.append(self._identify(index, uuid, handle))
+            self._try_identify(index, self._clock())
         log.info(
             "NVML: driver %s, %d GPU(s): %s",
             versions[0] or "unknown",
@@ -251,6 +246,41 @@ class NvmlCollector:
             ", ".join(dict(d.identity)["name"] for d in self._devices) or "none",
         )
         self._xid.start([device.handle for device in self._devices])
+
+    def _try_identify(self, index: int, now: float) -> bool:
+        """Identify GPU ``index``; one NVML cannot identify (lost at start, not answering) is
+        asked again every RETRY_SECONDS, and meanwhile sampled as ``gpu_healthy`` 0 with no
+        UUID (the health monitor's ``device_lost`` or ``unidentified``)."""
+        library = self._library
+        try:
+            handle = library.call(pynvml.nvmlDeviceGetHandleByIndex, index)
+            uuid = nvml_text(library.call(pynvml.nvmlDeviceGetUUID, handle))
+        except (Absent, CallFailed, DeviceLost) as exc:
+            kind = "device_lost" if isinstance(exc, DeviceLost) else "device_unidentified"
+            if index not in self._unidentified:
+                log.warning("GPU %d: cannot identify it (%s); asked again every %.0f s", index,
+                            exc or kind, RETRY_SECONDS)  # fmt: skip
+            self._unidentified[index] = (kind, now + RETRY_SECONDS)
+            return False
+        if index in self._unidentified:
+            log.warning("GPU %d (%s) identified: it answers again", index, uuid)
+        self._unidentified.pop(index, None)
+        if all(device.uuid != uuid for device in self._devices):
+            self._devices.append(self._identify(index, uuid, handle))
+        return True
+
+    def _unidentified_samples(self, now: float) -> list[Sample]:
+        samples = []
+        for index, (kind, retry_at) in sorted(self._unidentified.items()):
+            if now >= retry_at and self._try_identify(index, now):
+                for device in self._devices:
+                    if device.index == index:
+                        self._xid.register(device.handle)
+                continue
+            labels = (("device", str(index)), ("uuid", ""))
+            readings = (Reading("gpu_healthy", 0.0, labels),)
+            samples.append(Sample(self.name, f"gpu-index-{index}", now, readings, (kind,)))
+        return samples
 
     def _identify(self, index: int, uuid: str, handle: Any) -> _Device:
         def text(function: Callable[..., Any]) -> str:
@@ -312,6 +342,7 @@ class NvmlCollector:
         now = self._clock()
         self._own = None  # the agent's pids, read once per poll when a process list is
         samples = [Sample(self.name, "system", now, self._system)]
+        samples += self._unidentified_samples(now)
         for device in self._devices:
             samples.append(self._poll_device(device, now))
             if device.healthy:

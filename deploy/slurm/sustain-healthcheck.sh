@@ -7,9 +7,13 @@
 # The exit status of `sustain health --summary` is the verdict:
 #   1  a device is degraded or unhealthy: drain the node with Reason="sustain: <summary>";
 #   0  every device is healthy: resume the node, but only if sustain drained it (its reason
-#      starts with "sustain:"); another tool's drain is never undone;
-#   *  no verdict (2: the agent unreachable and nothing archived; 124: timed out; 127: no
-#      sustain): a line in syslog, no change to the node.
+#      starts with "sustain:") and the verdict is live (a summary from the archive ends with
+#      "(archive, AGE old)": the agent is not answering, so nothing is resumed on it);
+#      another tool's drain is never undone;
+#   *  no verdict (2: unknown: the agent unreachable and nothing archived, evidence older
+#      than health.max_evidence_age_seconds, a device not sampled or a stalled sampler;
+#      124: timed out; 127: no sustain): a line in syslog, no change to the node: a drained
+#      node stays drained.
 # A node another tool drained keeps that tool's reason; sustain drains it on a later run, once
 # that tool has resumed it.
 # Environment: SUSTAIN (the sustain command, default /opt/sustain/.venv/bin/sustain),
@@ -69,6 +73,11 @@ case ${status} in
         ;;
     0)
         current=$(drain_reason)
+        case ${summary} in
+            "healthy: "*"(archive"*) current="" ;;  # archived evidence: no resume
+            "healthy: "* | "healthy") ;;
+            *) current="" ;;
+        esac
         case ${current} in
             "${prefix}"*)
                 if scontrol update NodeName="${node}" State=RESUME; then

@@ -96,9 +96,26 @@ HELPER nvmlReturn_t leave(nvmlReturn_t result)
     return result;
 }
 
+/* With the mutex held: a scenario's `hang` window blocks the call (the mutex released while
+ * it sleeps, so that every other caller blocks too, each on its own) until the window ends. */
+HELPER void hang_while_scripted(void)
+{
+    while (g_refcount > 0 && scenario_now() >= g_scenario->hang_start &&
+           scenario_now() < g_scenario->hang_end) {
+        pthread_mutex_unlock(&g_lock);
+        struct timespec pause = {.tv_sec = 0, .tv_nsec = 50 * 1000 * 1000};
+        nanosleep(&pause, NULL);
+        pthread_mutex_lock(&g_lock);
+    }
+}
+
 HELPER nvmlReturn_t enter(void)
 {
     pthread_mutex_lock(&g_lock);
+    if (g_refcount == 0) {
+        return leave(NVML_ERROR_UNINITIALIZED);
+    }
+    hang_while_scripted();
     if (g_refcount == 0) {
         return leave(NVML_ERROR_UNINITIALIZED);
     }

@@ -701,6 +701,24 @@ static bool directive_upgrade(struct parser *p, char **tokens, int count)
                        sizeof s->upgraded_version);
 }
 
+static bool directive_hang(struct parser *p, char **tokens, int count)
+{
+    struct scenario *s = p->scenario;
+    if (count != 3) {
+        report(p, "usage: hang START|- END|-");
+        return false;
+    }
+    if (!parse_time(p, tokens[1], -INFINITY, &s->hang_start) ||
+        !parse_time(p, tokens[2], INFINITY, &s->hang_end)) {
+        return false;
+    }
+    if (s->hang_end <= s->hang_start) {
+        report(p, "hang END must be after START");
+        return false;
+    }
+    return true;
+}
+
 static bool directive_process(struct parser *p, char **tokens, int count)
 {
     struct schedule *schedule;
@@ -827,13 +845,17 @@ static bool parse_line(struct parser *p, char *line)
     if (strcmp(directive, "upgrade") == 0) {
         return directive_upgrade(p, tokens, count);
     }
+    if (strcmp(directive, "hang") == 0) {
+        return directive_hang(p, tokens, count);
+    }
     if (strcmp(directive, "process") == 0) {
         return directive_process(p, tokens, count);
     }
     if (strcmp(directive, "mig") == 0) {
         return directive_mig(p, tokens, count);
     }
-    report(p, "unknown directive '%s' (set, device, at, fault, xid, process, upgrade, mig)",
+    report(p, "unknown directive '%s' (set, device, at, fault, xid, process, upgrade, mig, "
+           "hang)",
            directive);
     return false;
 }
@@ -854,6 +876,8 @@ struct scenario *scenario_load(const char *path)
     }
     s->time_scale = 1.0;
     s->upgrade_t = INFINITY;
+    s->hang_start = INFINITY;
+    s->hang_end = INFINITY;
     snprintf(s->driver_version, sizeof s->driver_version, "550.54.15");
     snprintf(s->nvml_version, sizeof s->nvml_version, "12.550.54.15");
     s->cuda_driver_version = 12040;

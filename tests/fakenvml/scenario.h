@@ -220,6 +220,9 @@ struct scenario {
     double upgrade_t; /* INFINITY: no upgrade */
     char upgraded_version[NVML_SYSTEM_DRIVER_VERSION_BUFFER_SIZE];
     char nvml_version[NVML_SYSTEM_NVML_VERSION_BUFFER_SIZE];
+    /* "hang START END": every call made while hang_start <= t < hang_end blocks until hang_end
+     * (INFINITY: never hangs). */
+    double hang_start, hang_end;
     int cuda_driver_version;
     unsigned int device_count;
     struct device devices[FAKE_MAX_DEVICES];
