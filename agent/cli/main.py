@@ -89,13 +89,12 @@ def _without_none(value: Any) -> Any:
 
 def cmd_run(args: argparse.Namespace) -> int:
     from agent import daemon  # the daemon's imports are only paid for by `run`
+    from agent.log_escape import EscapingFormatter
 
     settings = _settings(args)
-    logging.basicConfig(
-        level=settings.agent.log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(EscapingFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=settings.agent.log_level.upper(), handlers=[handler])
     # The scheduler logs every job run at INFO, and Alembic its internals: keep the log readable.
     logging.getLogger("apscheduler").setLevel(logging.WARNING)
     logging.getLogger("alembic").setLevel(logging.WARNING)
@@ -341,10 +340,21 @@ def cmd_capacity(args: argparse.Namespace) -> int:
 def cmd_health(args: argparse.Namespace) -> int:
     from agent.archive.database import ArchiveError
     from agent.cli import health as health_command
+    from agent.cli import health_flags
 
     settings = _settings(args)
+    try:
+        authorization = health_flags.authorization(args)
+        context = health_flags.tls_context(args)
+    except health_flags.AccessError as exc:
+        raise UsageError(str(exc)) from None
     verdict = health_command.node_health(
-        settings, lambda: _open_archive(args), metrics=args.metrics, use_live=not args.no_live
+        settings,
+        lambda: _open_archive(args),
+        metrics=args.metrics,
+        use_live=not args.no_live,
+        authorization=authorization,
+        context=context,
     )
     if args.health_command == "clear":
         from agent.archive.events import EventWriter

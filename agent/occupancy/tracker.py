@@ -7,6 +7,10 @@ demand, for the exposition (``status``) and for the events the archive stores (`
 
     sustain_device_pod_info{container="main",device="1",namespace="ml",pod="train-0",
                             uuid="GPU-2b9e..."} 1.0
+
+A GPU shared by time-slicing may be allocated to thousands of containers: each is kept once
+(a dict, not a list searched per container), the names are cut to ``MAX_LABEL_CHARS``, and the
+exposition names ``MAX_PODS_PER_DEVICE`` of them per device, counting the rest.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from agent.config.archive_section import OccupancySection
@@ -23,6 +27,20 @@ from agent.occupancy.slurm import SlurmJobs
 from collectors.base import Event, Sample
 
 log = logging.getLogger(__name__)
+
+MAX_LABEL_CHARS = 128  # Kubernetes allows a pod name of 253
+CUT_MARKER = "..."
+MAX_PODS_PER_DEVICE = 100  # sustain_device_pod_info series per device; the rest are counted
+
+
+def capped(value: str) -> str:
+    """``value``, or its start and its end around ``CUT_MARKER``, ``MAX_LABEL_CHARS`` in all: the
+    end is kept because that is where the names of one workload's pods differ (``train-7f9c-0``)."""
+    if len(value) <= MAX_LABEL_CHARS:
+        return value
+    head = (MAX_LABEL_CHARS - len(CUT_MARKER)) // 2
+    tail = MAX_LABEL_CHARS - len(CUT_MARKER) - head
+    return value[:head] + CUT_MARKER + value[-tail:]
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,6 +70,8 @@ class OccupancyStatus:
     pods: list[tuple[str, str, str, str, str]]  # (device, uuid, namespace, pod, container)
     requests: dict[str, int]  # outcome -> count
     last_success: float | None  # Unix time of the kubelet's last answer
+    # (device, uuid) -> containers beyond MAX_PODS_PER_DEVICE, not in ``pods``
+    omitted: dict[tuple[str, str], int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,19 +130,19 @@ class Occupancy:
             )
         return found
 
-    def _pods(self) -> dict[str, list[Occupant]]:
+    def _pods(self) -> dict[str, dict[Occupant, None]]:
         """Occupants of each device the kubelet allocated (by UUID), in the kubelet's order."""
         with self._lock:
             devices = dict(self._devices)
-        held: dict[str, list[Occupant]] = {}
+        held: dict[str, dict[Occupant, None]] = {}
         for allocation in self.watch.allocations():
             device = self._resolve(allocation, devices)
             if device is None:
                 continue
-            occupant = Occupant(allocation.namespace, allocation.pod, allocation.container)
-            occupants = held.setdefault(device.uuid, [])
-            if occupant not in occupants:
-                occupants.append(occupant)
+            occupant = Occupant(
+                capped(allocation.namespace), capped(allocation.pod), capped(allocation.container)
+            )
+            held.setdefault(device.uuid, {})[occupant] = None
         return held
 
     def occupants(self, uuid: str) -> tuple[Occupant, ...]:
@@ -171,12 +191,17 @@ class Occupancy:
         held = self._pods()
         with self._lock:
             devices = dict(self._devices)
-        pods = sorted(
-            (devices[uuid].label, uuid, o.namespace, o.pod, o.container)
-            for uuid, occupants in held.items()
-            for o in occupants
+        pods: list[tuple[str, str, str, str, str]] = []
+        omitted: dict[tuple[str, str], int] = {}
+        for uuid, occupants in held.items():
+            label = devices[uuid].label
+            named = sorted((o.namespace, o.pod, o.container) for o in occupants)
+            pods += [(label, uuid, *names) for names in named[:MAX_PODS_PER_DEVICE]]
+            if len(named) > MAX_PODS_PER_DEVICE:
+                omitted[label, uuid] = len(named) - MAX_PODS_PER_DEVICE
+        return OccupancyStatus(
+            sorted(pods), self.watch.requests(), self.watch.last_success, omitted
         )
-        return OccupancyStatus(pods, self.watch.requests(), self.watch.last_success)
 
 
 def _identify(sample: Sample) -> _Device | None:
