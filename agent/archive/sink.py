@@ -52,6 +52,7 @@ IDLE_WAKE_SECONDS = 5.0
 CONFLICT_SQLSTATES = frozenset({"40001", "40P01"})  # serialization_failure, deadlock_detected
 CONFLICT_RETRIES = 5
 CONFLICT_PAUSE_SECONDS = 0.05  # times the attempt, with jitter so colliding writers part ways
+KINDS = ("rollups", "events", "probe_start", "probe_finish", "stack")  # what the spool holds
 MEMORY_ITEMS = 10_000  # writes held in memory while the spool cannot take them
 CANCEL_GRACE_SECONDS = 1.0  # at stop, for a statement cancelled on the server to return
 

@@ -24,6 +24,7 @@ from prometheus_client.registry import Collector as PromCollector
 from prometheus_client.samples import Sample
 
 from agent import __version__
+from agent.archive.sink import KINDS as ARCHIVE_KINDS
 from agent.archive.sink import ArchiveStatus
 from agent.drift.job import SERIES_LABELS, DriftStatus
 from agent.exporter.health import health_families
@@ -530,8 +531,10 @@ class AgentMetrics(PromCollector):
             "not be written.",
             labels=["kind"],
         )
-        for kind, records in sorted(archive.lost.items()):
-            lost.add_metric([kind], records)
+        # Every kind from 0, so that increase() sees the first loss (a counter that appears at
+        # N has no increase to show).
+        for kind in sorted(set(ARCHIVE_KINDS) | set(archive.lost)):
+            lost.add_metric([kind], archive.lost.get(kind, 0))
         yield lost
 
 
