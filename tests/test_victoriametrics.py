@@ -67,6 +67,7 @@ NO_DATA = {
     "alert SustainCollectorErrors": "no collector fails half its polls",
     "alert SustainArchiveSpoolBacklog": "the archive is reachable: nothing waits in the spool",
     "alert SustainArchiveWritesRejected": "the archive rejects no write",
+    "alert SustainDeviceHealthUnknown": "every device of the scenario is sampled: none is unknown",
     "alert SustainArchiveWritesLost": "the spool takes every write: nothing is dropped",
     "alert SustainArchiveNotWriting": "the archive is open and writes: nothing waits for long",
 }
