@@ -60,6 +60,8 @@ at 0 0 gpu_util_pct 95 reasons 0x4 sm_clock_mhz 1755
 at 0 1 gpu_util_pct 0 reasons 0x1
 xid 1 2 79
 xid 1 24 79
+xid 1 60 79
+xid 1 120 79
 at 0 2 ecc_uncorrected 1 remapped_uncorrected 1 remapped_pending 1
 at 0 3 gpu_util_pct 0 reasons 0x41 gpu_temp_c 91
 at 0 4 gpu_util_pct 90 reasons 0x0 pcie_gen 3
@@ -193,9 +195,7 @@ def test_each_rule_on_the_fake_driver_and_sustain_health(
     assert health[("9", MIG_UUID)][1] == {"xid_79"}
     assert health[("cpu", "")][0] == "healthy"
 
-    # An operator clears GPU 1 (first, while the second XID 79 is still 24 s of scenario away
-    # however long the commands take on a loaded machine): recorded with who and why; it counts
-    # as healthy again ...
+    # An operator clears GPU 1: recorded with who and why; it counts as healthy again ...
     cleared = _sustain("health", "clear", "1", "--reason", "reseated", "--by", "alice", *flags)
     assert cleared.returncode == 0, cleared.stderr
     assert "xid_79 acknowledged by alice" in cleared.stdout
@@ -209,8 +209,10 @@ def test_each_rule_on_the_fake_driver_and_sustain_health(
     )
     health = _wait(running, lambda h: h[("1", _gpu(1))][0] == "healthy")
     assert health[("1", _gpu(1))] == ("healthy", set(), {"xid_79"})
-    # ... until new evidence: the second XID 79 (scenario second 24).
-    health = _wait(running, lambda h: h[("1", _gpu(1))][0] == "unhealthy")
+    # ... until new evidence: the next XID 79 after the clear (scenario second 24, 60 or 120:
+    # a loaded machine may take more than 24 s to settle and clear, and the clear covers what
+    # came before it).
+    health = _wait(running, lambda h: h[("1", _gpu(1))][0] == "unhealthy", timeout=150)
     assert health[("1", _gpu(1))][1] == {"xid_79"}
 
     # `sustain health` as node-problem-detector runs it: exit 1, the summary names the GPUs.
