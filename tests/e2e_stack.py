@@ -7,7 +7,8 @@ Both modules load this one as a plugin (`pytest_plugins`), which gives them the 
 in one row (where the first of them is collected), the first of them starts it, and it stops after
 the last (its probes keep both cores busy: the tests after it should not pay for that). They
 carry `@pytest.mark.xdist_group("e2e-stack")`, so that under `pytest -n N --dist loadgroup` one
-worker runs them all and the stack starts once in all (see `_join_group` for pytest 9.2).
+worker runs them all and the stack starts once in all (tests/test_suite_runner.py checks that
+the installed pytest and pytest-xdist keep a group on one worker).
 
 The agent runs on two fake H100s (GPU 1 in HW thermal slowdown throughout) and probes on short
 intervals. The probes target the fake GPUs, so the agent's GPU code path runs (device locks, the
@@ -480,7 +481,7 @@ def _uses_stack(item: pytest.Item | None) -> bool:
 
 
 @pytest.hookimpl(trylast=True)  # after conftest.py's order (slow tests first) and xdist's hook
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """The tests that use the stack in one row, where the first of them is: they run one after
     the other, the stack starts once, and no other test runs beside it. (Under pytest-xdist,
     their xdist_group sends them all to one worker, in this order.)"""
@@ -490,27 +491,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     first = items.index(users[0])
     others = [item for item in items if not _uses_stack(item)]
     items[:] = others[:first] + users + others[first:]
-    if getattr(config.option, "loadgroup", False):  # an xdist worker under --dist loadgroup
-        for item in users:
-            _join_group(item)
-
-
-def _join_group(item: pytest.Item) -> None:
-    """xdist's loadgroup groups by a suffix, `@<group>`, that its worker appends to each test's
-    nodeid. It writes the suffix to the private `_nodeid`, which pytest 9.2 no longer reads (its
-    nodeid is the structured `_id`), so the tests of a group go to any worker: pytest-xdist
-    issue 1386, open, fixed by pull request 1388. Until a release has the fix, the suffix is
-    written here where it is missing, for the stack's tests only (a worker started per test would
-    start a stack per test); nothing is done where xdist wrote it or pytest's nodeid is otherwise
-    built."""
-    suffix = f"@{GROUP}"
-    if item.nodeid.endswith(suffix):
-        return
-    structured = getattr(item, "_id", None)
-    parse = getattr(type(structured), "parse", None)
-    if structured is None or parse is None:
-        return
-    item._id = parse(f"{item.nodeid}{suffix}")
 
 
 def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:

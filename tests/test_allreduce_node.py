@@ -33,6 +33,7 @@ GPU0 = "GPU-0a000000-0000-4000-8000-00000000000a"
 GPU1 = "GPU-1b000000-0000-4000-8000-00000000000b"
 
 
+@pytest.mark.slow
 def test_allreduce_runs_node_wide_with_a_rank_per_gpu_never_foreign(
     scenario: Scenario, tmp_path: Path
 ) -> None:

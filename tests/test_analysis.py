@@ -122,6 +122,8 @@ def make_case(kind: str, seed: int) -> Case:
     return Case(kind, seed, series, LABELS[kind], start, steady)
 
 
+# The corpus is analysed once per worker process; the four tests that score it share a worker
+# (the xdist group), so that the analysis runs once, not four times, in a parallel run.
 @cache
 def corpus() -> tuple[tuple[Case, SteadyStateResult], ...]:
     cases = []
@@ -134,6 +136,7 @@ def corpus() -> tuple[tuple[Case, SteadyStateResult], ...]:
     return tuple(cases)
 
 
+@pytest.mark.xdist_group("analysis-corpus")
 def test_corpus_classification_accuracy() -> None:
     results = corpus()
     wrong = [
@@ -148,6 +151,7 @@ def test_corpus_classification_accuracy() -> None:
     assert accuracy >= 0.95
 
 
+@pytest.mark.xdist_group("analysis-corpus")
 def test_corpus_steady_start_within_5_percent() -> None:
     scored = [(c, r) for c, r in corpus() if c.label in (C.WARMUP, C.SLOWDOWN)]
     assert len(scored) >= 100
@@ -162,6 +166,7 @@ def test_corpus_steady_start_within_5_percent() -> None:
     assert share >= 0.90
 
 
+@pytest.mark.xdist_group("analysis-corpus")
 def test_corpus_steady_value_within_1_percent() -> None:
     scored = [(c, r) for c, r in corpus() if c.steady is not None]
     hits = [
@@ -175,6 +180,7 @@ def test_corpus_steady_value_within_1_percent() -> None:
     assert share >= 0.90
 
 
+@pytest.mark.xdist_group("analysis-corpus")
 def test_corpus_figures_are_consistent() -> None:
     for case, result in corpus():
         assert result.n == case.series.size

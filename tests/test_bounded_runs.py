@@ -146,6 +146,7 @@ def test_a_child_is_killed_at_its_duration_plus_grace_and_keeps_its_iterations()
     )
 
 
+@pytest.mark.slow
 def test_the_measured_window_starts_at_the_manifest() -> None:
     """4 s of start-up, then 5 s of iterations for a 0.5 s duration: within the start-up
     timeout (8 s) and within the grace (9 s), so the child finishes. Start-up is not charged to

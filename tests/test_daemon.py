@@ -116,6 +116,7 @@ ROLLUP_SECONDS = 2  # archive.rollup_seconds (60 by default): whole periods in s
 SAMPLE_SECONDS = 0.2  # sampler.interval_seconds: ten polls a period, as 1 Hz gives a 10 s one
 
 
+@pytest.mark.slow
 def test_rollups_one_row_per_series_per_whole_period(tmp_path: Path) -> None:
     """Runs about 4 rollup periods of 2 s, sampled at 5 Hz: acceptance 3 and 5 with a shorter
     period (the daemon's clock is the wall clock; the period and the interval are settings)."""

@@ -414,6 +414,7 @@ COMMANDS = [
 
 
 @pytest.mark.parametrize("case", range(3), ids=["userinfo", "query", "unencoded-at"])
+@pytest.mark.slow
 def test_no_command_shows_the_password_of_a_database_that_fails(
     postgres_admin: object, tmp_path: Path, case: int
 ) -> None:

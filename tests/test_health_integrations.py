@@ -532,6 +532,7 @@ def healthcheck_live(node: SlurmNode, agent: Running) -> None:
     )
 
 
+@pytest.mark.slow
 def test_healthcheck_drains_and_resumes_with_a_live_fake_node(
     fake_node: StartNode, slurm_node: SlurmNode
 ) -> None:

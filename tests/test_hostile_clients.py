@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import bcrypt
+import pytest
 from conftest import Running, start_agent
 from test_daemon import STARTUP_SECONDS, quick_env
 from test_database_urls import forked_sustain
@@ -142,6 +143,7 @@ def _agent(tmp_path: Path, toml: str) -> Running:
     return running
 
 
+@pytest.mark.slow
 def test_slow_loris_is_closed_and_bounded_while_metrics_answer(tmp_path: Path) -> None:
     """2,000 half-open connections, each replaced when the agent closes it, until every one of
     the first 2,000 is closed (and at least three header timeouts have gone by): threads stay
@@ -201,6 +203,7 @@ def test_slow_loris_is_closed_and_bounded_while_metrics_answer(tmp_path: Path) -
     assert p50 < timeout / 2
 
 
+@pytest.mark.slow
 def test_wrong_password_flood_costs_little_and_right_passwords_pass(tmp_path: Path) -> None:
     """50 requests a second with new wrong passwords for 10 s, at bcrypt cost 10: the agent
     checks a few (a burst, then one a second from the address) and refuses the rest unchecked.

@@ -11,6 +11,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+import pytest
 from conftest import Running, cpu_wrapper, fetch, start_agent
 from test_probes import SPEC, child
 
@@ -55,6 +56,7 @@ def _row(page: str, cell: str) -> str:
     return page[start : page.index("</tr>", start)]
 
 
+@pytest.mark.slow
 def test_the_page_of_a_gpu_node_with_a_probe(fake_nvml: Path, tmp_path: Path) -> None:
     (tmp_path / "node.scn").write_text(SCENARIO)
     wrapper, _ = cpu_wrapper(tmp_path)
@@ -141,6 +143,7 @@ def test_the_page_of_a_gpu_node_with_a_probe(fake_nvml: Path, tmp_path: Path) ->
     assert f'<a href="{DOCS}/metrics.md">' in page
 
 
+@pytest.mark.slow
 def test_the_page_of_a_cpu_only_node_says_why_nvml_is_absent(tmp_path: Path) -> None:
     config = tmp_path / "sustain.toml"
     config.write_text("[probing]\nenabled = false\n[health]\nenabled = false\n")

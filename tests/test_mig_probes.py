@@ -75,6 +75,7 @@ def scheduler_on(
     return ProbeScheduler(settings, runner, store, capture, (loop,), 1.0), loop, log
 
 
+@pytest.mark.slow
 def test_mig_instances_are_probed_by_their_own_uuid_bound_to_the_gpus_cpus(
     scenario: Scenario, tmp_path: Path
 ) -> None:

@@ -144,6 +144,7 @@ def _solo_then_node(scheduler: ProbeScheduler, loop: SamplerLoop) -> list[ProbeR
         loop.join(5)
 
 
+@pytest.mark.slow
 def test_two_gpus_sharing_the_cores_lose_to_each_other_and_the_runs_overlap(
     scenario: Scenario, tmp_path: Path
 ) -> None:
@@ -196,6 +197,7 @@ def test_two_gpus_sharing_the_cores_lose_to_each_other_and_the_runs_overlap(
     assert 'sustain_probe_node_coupling_cause{cause="host_contention",device="1"' in body
 
 
+@pytest.mark.slow
 def test_a_node_wide_run_on_one_gpu_is_its_solo_run(scenario: Scenario, tmp_path: Path) -> None:
     """A ratio of 1: the same series, measured alone and node-wide. A mechanism biased away from
     1 misses it: a statistic mixed up (the series' warm-up puts its peak, median, p10 and steady

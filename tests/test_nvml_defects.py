@@ -45,6 +45,7 @@ def field_values(samples: Sequence[Sample], key: str) -> dict[str, float]:
     }
 
 
+@pytest.mark.slow
 def test_gpm_samples_leak_no_more_when_gpm_is_refused(
     scenario: Scenario, fake_nvml: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -129,6 +129,7 @@ def test_migrations_run_through_transaction_pooling(pooled_url: str) -> None:
         engine.dispose()
 
 
+@pytest.mark.slow
 def test_agents_write_through_transaction_pooling(
     pooled_url: str, postgres_url: str, tmp_path: Path
 ) -> None:

@@ -480,6 +480,7 @@ def test_a_process_there_before_the_probe_started_does_not_preempt_it(
 
 
 @pytest.mark.parametrize("how", ["preempt = false", "--force"])
+@pytest.mark.slow
 def test_a_probe_told_not_to_yield_runs_on(
     gpu_node: Callable[..., GpuNode], sleeper: subprocess.Popen[bytes], how: str
 ) -> None:

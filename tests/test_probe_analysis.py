@@ -194,6 +194,7 @@ def test_live_cpu_probe_slowed_by_a_competing_process_is_not_clock_bound(tmp_pat
     assert len(run.telemetry) > 50  # the host at ~10 Hz while the probe ran
 
 
+@pytest.mark.slow
 def test_inference_probe_exports_its_latency_percentiles(tmp_path: Path) -> None:
     """A real CPU inference probe through the scheduler: the decode latency quantiles of its
     result line reach /metrics as sustain_probe_latency_seconds."""

@@ -510,6 +510,7 @@ def test_sustain_probe_unknown_device_is_one_line_exit_2() -> None:
     ]
 
 
+@pytest.mark.slow
 def test_the_daemon_runs_its_plan_and_archives_the_runs(tmp_path: Path) -> None:
     config = tmp_path / "sustain.toml"
     # 40 iterations, within a duration that only bounds them: ok however loaded the machine is.

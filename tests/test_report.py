@@ -176,6 +176,7 @@ def test_the_fleet_report_holds_the_seeded_figures(archive_engine: Engine, tmp_p
 
 
 @needs_chromium
+@pytest.mark.slow
 def test_the_fleet_report_renders_in_chromium_without_the_network(tmp_path: Path) -> None:
     url = f"sqlite:///{tmp_path / 'archive.db'}"
     engine = open_engine(url)
@@ -391,6 +392,7 @@ def test_a_gpu_run_shows_its_clock_temperature_power_and_reasons(tmp_path: Path)
     assert "max 1980" in text
 
 
+@pytest.mark.slow
 def test_probe_plot_draws_each_run_of_the_command(tmp_path: Path) -> None:
     plots = tmp_path / "plots"
     done = sustain(

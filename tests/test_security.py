@@ -246,6 +246,7 @@ def agents() -> Iterator[list[Running]]:
 # 1. TLS and basic auth, end to end.
 
 
+@pytest.mark.slow
 def test_https_with_basic_auth(pki: Pki, tmp_path: Path, agents: list[Running]) -> None:
     web = write_web_config(
         tmp_path,
@@ -295,6 +296,7 @@ def test_https_with_basic_auth(pki: Pki, tmp_path: Path, agents: list[Running]) 
     assert "exporter: TLS (TLS12 or newer), basic auth for 1 user(s)" in err
 
 
+@pytest.mark.slow
 def test_client_certificate_required(pki: Pki, tmp_path: Path, agents: list[Running]) -> None:
     web = write_web_config(
         tmp_path,
@@ -585,6 +587,7 @@ def test_basic_auth_under_concurrent_scrapes() -> None:
 # 3. Database passwords stay out of every output.
 
 
+@pytest.mark.slow
 def test_database_password_never_shown(
     postgres_url: str, tmp_path: Path, agents: list[Running]
 ) -> None:
@@ -645,6 +648,7 @@ def test_database_password_never_shown(
     assert DB_PASSWORD not in stack.stdout + stack.stderr
 
 
+@pytest.mark.slow
 def test_database_password_not_in_connection_errors(tmp_path: Path) -> None:
     unreachable = {
         "SUSTAIN_ARCHIVE__DATABASE_URL": f"postgresql+psycopg://postgres:{DB_PASSWORD}@127.0.0.1:1/x"

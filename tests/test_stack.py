@@ -202,6 +202,7 @@ SECRETS = {
 }
 
 
+@pytest.mark.slow
 def test_credentials_never_reach_snapshot_archive_or_metrics(tmp_path: Path) -> None:
     """Acceptance 4: a real agent with credential-like allow-listed variables in its
     environment; none of their values is in /metrics, the archive, the spool or `stack show`."""
