@@ -128,6 +128,10 @@ def _wait(running: Running, check: Any, timeout: float = 60.0) -> dict[Any, Any]
     pytest.fail(f"health did not reach the expected verdict in {timeout} s: {health}")
 
 
+EPOCHS: dict[Path, float] = {}  # each fake node's scenario time 0 (Unix time), by data directory
+XID_79_ON_GPU_1 = (24.0, 60.0, 120.0)  # the scenario's XIDs 79 on GPU 1 after the first (at 2 s)
+
+
 @pytest.fixture
 def fake_node(fake_nvml: Path, tmp_path: Path) -> Iterator[tuple[Running, list[str]]]:
     scenario = tmp_path / "node.scn"
@@ -140,7 +144,11 @@ def fake_node(fake_nvml: Path, tmp_path: Path) -> Iterator[tuple[Running, list[s
         "--config",
         str(config),
         env=quick_env(
-            tmp_path, LD_LIBRARY_PATH=str(fake_nvml.parent), FAKENVML_SCENARIO=str(scenario)
+            tmp_path,
+            LD_LIBRARY_PATH=str(fake_nvml.parent),
+            FAKENVML_SCENARIO=str(scenario),
+            # Scenario time 0, known to the test (XIDs come at fixed scenario seconds).
+            FAKENVML_EPOCH=str(EPOCHS.setdefault(data, time.time())),
         ),
     )
     flags = ["--config", str(config), "--data-dir", str(data)]
@@ -207,11 +215,16 @@ def test_each_rule_on_the_fake_driver_and_sustain_health(
         "reseated",
         "xid_79",
     )
-    health = _wait(running, lambda h: h[("1", _gpu(1))][0] == "healthy")
-    assert health[("1", _gpu(1))] == ("healthy", set(), {"xid_79"})
-    # ... until new evidence: the next XID 79 after the clear (scenario second 24, 60 or 120:
-    # a loaded machine may take more than 24 s to settle and clear, and the clear covers what
-    # came before it).
+    # The clear covers what came before it; the scenario's next XID 79 (second 24, 60 or 120: a
+    # loaded machine may take more than 24 s to settle) makes GPU 1 unhealthy again. Healthy
+    # must be seen in between where that XID is 10 s away or more; closer, it may come first.
+    cleared_at = time.time() - EPOCHS[running.data_dir]
+    upcoming = [at - cleared_at for at in XID_79_ON_GPU_1 if at > cleared_at]
+    assert upcoming, f"the clear came at scenario second {cleared_at:.0f}, after every XID"
+    if upcoming[0] >= 10.0:
+        health = _wait(running, lambda h: h[("1", _gpu(1))][0] == "healthy")
+        assert health[("1", _gpu(1))] == ("healthy", set(), {"xid_79"})
+    # ... until new evidence: the next XID 79 after the clear.
     health = _wait(running, lambda h: h[("1", _gpu(1))][0] == "unhealthy", timeout=150)
     assert health[("1", _gpu(1))][1] == {"xid_79"}
 
