@@ -55,7 +55,10 @@ rollup_seconds = 60
         ('[sampler]\ninterval_seconds = "fast"\n', "sampler.interval_seconds: "),
         ("[sampler]\ninterval_seconds = -1\n", "sampler.interval_seconds: "),
         ('[archive]\ndatabase_url = "not a url"\n', "archive.database_url: malformed database URL"),
-        ('[archive]\ndatabase_url = "nosuchdb://x/y"\n', "archive.database_url: unknown database"),
+        (
+            '[archive]\ndatabase_url = "nosuchdb://x/y"\n',
+            "archive.database_url: unsupported database 'nosuchdb'",
+        ),
         ('[exporter]\nlisten = "9477"\n', "exporter.listen: "),
         ("[nosection]\nx = 1\n", "nosection: unknown key"),
     ],

@@ -223,8 +223,10 @@ def test_port_in_use_is_one_line_exit_2(tmp_path: Path) -> None:
     [
         ("unwritable", "cannot"),
         # An unreachable server is no configuration error any more: the agent starts and retries
-        # (tests/test_archive_failsafe.py); a URL no driver can serve still exits 2.
-        ("mysql+nosuchdriver://sustain:s3cret@127.0.0.1:1/x", "unknown database dialect"),
+        # (tests/test_archive_failsafe.py); a URL no driver can serve, or of a database the
+        # archive does not run on, still exits 2.
+        ("postgresql+nosuchdriver://sustain:s3cret@127.0.0.1:1/x", "unknown database driver"),
+        ("mysql://sustain:s3cret@127.0.0.1:1/x", "unsupported database 'mysql'"),
     ],
 )
 def test_database_startup_errors_are_one_line_exit_2(

@@ -64,6 +64,13 @@ def _sustain_probe(
     fake_nvml: Path, tmp_path: Path, scenario: str, *args: str
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """`sustain probe ARGS --json` on the fake node: its runs, and the children it started."""
+    done, children = _sustain_probe_done(fake_nvml, tmp_path, scenario, *args)
+    return json.loads(done.stdout)["runs"], children
+
+
+def _sustain_probe_done(
+    fake_nvml: Path, tmp_path: Path, scenario: str, *args: str
+) -> tuple[subprocess.CompletedProcess[str], list[dict[str, Any]]]:
     wrapper, log = cpu_wrapper(tmp_path)
     # 80 iterations: membw alternates two phases, and the analysis reads one (30 at least).
     capped = iteration_capped_python(tmp_path, 80, target=wrapper)
@@ -84,7 +91,7 @@ def _sustain_probe(
         check=False,
     )
     assert done.stdout, done.stderr
-    return json.loads(done.stdout)["runs"], _logged(log)
+    return done, _logged(log)
 
 
 def _two_gpus() -> list[ProbeDevice]:
@@ -142,6 +149,22 @@ def test_sustain_probe_runs_the_allreduce_node_wide_with_both_gpus(
     assert child["argv"][child["argv"].index("--ranks") + 1] == "2"
     assert runs[0]["manifest"]["parameters"]["world_size"] == 2
     assert len([c for c in children if "run" in c["argv"]]) == 1
+
+
+def test_sustain_probe_exits_1_when_every_run_is_skipped_and_names_force(
+    fake_nvml: Path, tmp_path: Path
+) -> None:
+    """GPU 0 busy and the only device asked for: nothing ran, which is no success."""
+    done, children = _sustain_probe_done(
+        fake_nvml, tmp_path, BUSY_GPU0, "--workload", "membw", "--size", "small", "--device", "0"
+    )
+    runs = json.loads(done.stdout)["runs"]
+    assert [run["outcome"] for run in runs] == ["skipped"], runs
+    assert done.returncode == 1, done.stderr
+    assert "every run was skipped" in done.stderr
+    assert "--force" in done.stderr
+    assert "Traceback" not in done.stderr
+    assert not [child for child in children if "run" in child["argv"]], children
 
 
 @pytest.mark.slow  # a whole probe command end to end (left out of the quick tier)

@@ -65,3 +65,35 @@ WORKLOADS: Final[dict[str, Declared]] = {
         Declared("allreduce", ("fp32", "bf16"), ("eager",)),
     )
 }
+
+# What a device cannot run at all, known before any child starts: a probe of it is `unsupported`
+# at once, with the reason the child would give (tests/test_name_checks.py keeps them equal). The
+# rest (int8 kernels, a compiler for torch.compile, NCCL) only the child can tell.
+CUDA_ONLY: Final = frozenset({"h2d", "d2h"})
+CPU_LACKS: Final = {
+    "tf32": "tf32 is a CUDA tensor-core mode",
+    "fp8": "fp8 (e4m3 scaled matmul) needs a CUDA device with compute capability >= 8.9",
+}
+# The compute capability each precision needs on a CUDA device (Ampere 8.0, Ada 8.9); the child
+# applies the same rule (workloads.precision).
+CUDA_NEEDS: Final = {"tf32": (8, 0), "bf16": (8, 0), "fp8": (8, 9)}
+
+
+def unsupported_up_front(
+    workload: str, precision: str, kind: str, capability: tuple[int, int] | None
+) -> str | None:
+    """Why a device of ``kind`` ("cpu" or "cuda", a GPU of ``capability`` where NVML states it)
+    cannot run ``workload`` at ``precision``, or None where it may (the child decides)."""
+    if kind == "cpu":
+        if workload in CUDA_ONLY:
+            return f"{workload} needs a CUDA device"
+        if workload in NODE_WIDE:  # CPU ranks over gloo, fp32 only (workloads.allreduce)
+            return None if precision == "fp32" else f"{workload} on CPU ranks is fp32 only"
+        return CPU_LACKS.get(precision)
+    needs = CUDA_NEEDS.get(precision)
+    if capability is None or needs is None or capability >= needs:
+        return None
+    return (
+        f"{precision} needs compute capability >= {needs[0]}.{needs[1]} "
+        f"(device has {capability[0]}.{capability[1]})"
+    )

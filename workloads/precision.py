@@ -23,7 +23,7 @@ from typing import Final
 
 import torch
 
-from workloads.catalog import cuda_native_reason
+from workloads.catalog import CPU_LACKS, cuda_native_reason, unsupported_up_front
 from workloads.device import DeviceInfo, cpu_flags
 
 PRECISIONS: Final = ("fp32", "tf32", "bf16", "fp16", "fp8", "int8")
@@ -36,9 +36,6 @@ _DTYPES: Final = {
     "fp16": torch.float16,
     "int8": torch.int8,
 }
-
-AMPERE: Final = (8, 0)
-ADA: Final = (8, 9)
 
 # Per architecture, the CPU flags (x86 `flags`, aarch64 `Features`) any one of which gives a
 # precision native arithmetic; fp32 needs none. A CPU whose flags cannot be read, or of another
@@ -132,25 +129,18 @@ def _either(names: tuple[str, ...]) -> str:
 
 
 def _cpu_reason(precision: str) -> str | None:
-    if precision == "tf32":
-        return "tf32 is a CUDA tensor-core mode"
-    if precision == "fp8":
-        return "fp8 (e4m3 scaled matmul) needs a CUDA device with compute capability >= 8.9"
     if precision == "int8":
         return _int_mm_reason(torch.device("cpu"))
-    return None
+    return CPU_LACKS.get(precision)
 
 
 def _cuda_reason(precision: str, device: DeviceInfo) -> str | None:
-    capability = device.capability or (0, 0)
-    has = f"{capability[0]}.{capability[1]}"
-    if precision in ("tf32", "bf16") and capability < AMPERE:
-        return f"{precision} needs compute capability >= 8.0 (device has {has})"
-    if precision == "fp8":
-        if capability < ADA:
-            return f"fp8 needs compute capability >= 8.9 (device has {has})"
-        if not hasattr(torch, "_scaled_mm"):
-            return f"torch {torch.__version__} has no torch._scaled_mm"
+    # The rule the agent applies before any child starts, from NVML's compute capability.
+    reason = unsupported_up_front("matmul", precision, "cuda", device.capability or (0, 0))
+    if reason is not None:
+        return reason
+    if precision == "fp8" and not hasattr(torch, "_scaled_mm"):
+        return f"torch {torch.__version__} has no torch._scaled_mm"
     if precision == "int8":
         return _int_mm_reason(torch.device(device.torch_device))
     return None

@@ -37,7 +37,6 @@ from agent.config import database_url
 log = logging.getLogger(__name__)
 
 MIGRATIONS = Path(__file__).parent / "migrations"
-SUPPORTED_BACKENDS = ("sqlite", "postgresql")
 SQLITE_BUSY_TIMEOUT_MS = 10_000
 CONNECT_TIMEOUT_S = 10
 POOL_RECYCLE_S = 300  # a pooled session lives at most this long (settings changed under it)
@@ -152,7 +151,7 @@ def _parse(url: str) -> URL:
         parsed = database_url.parse(url)
     except database_url.DatabaseUrlError as exc:
         raise ArchiveError(str(exc)) from None
-    if parsed.get_backend_name() not in SUPPORTED_BACKENDS:
+    if parsed.get_backend_name() not in database_url.SUPPORTED_BACKENDS:
         raise ArchiveError(
             f"unsupported database {describe(parsed)}: the archive runs on sqlite or postgresql"
         )

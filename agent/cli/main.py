@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from agent import __version__
+from agent.cli.pipes import closed_pipe
 from agent.config.names import OPTIMIZATIONS
 
 if TYPE_CHECKING:  # imported where used: `sustain analyze` needs neither pydantic nor SQLAlchemy
@@ -107,7 +108,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 def cmd_config_check(args: argparse.Namespace) -> int:
     from agent.config import settings as config
 
-    problems = config.check_file(args.file)
+    problems = config.check_file(args.file) + config.check_environment()
     if problems:
         for problem in problems:
             print(problem)
@@ -602,7 +603,8 @@ def build_parser() -> argparse.ArgumentParser:
     cfg = commands.add_parser("config", help="check or show the configuration")
     cfg_commands = cfg.add_subparsers(dest="config_command", required=True, metavar="ACTION")
     check = cfg_commands.add_parser(
-        "check", help="validate a TOML file: 'ok' or one line per problem"
+        "check",
+        help="validate a TOML file, and the SUSTAIN_* environment: 'ok' or one line per problem",
     )
     check.add_argument("file", type=Path, help="the TOML file to validate")
     check.set_defaults(handler=cmd_config_check)
@@ -722,6 +724,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        try:
+            status = _main(argv)
+        finally:  # here, where a closed pipe can still be caught, not at exit (--help too)
+            sys.stdout.flush()
+    except BrokenPipeError:  # the reader of standard output went away: no traceback
+        return closed_pipe()
+    return status
+
+
+def _main(argv: Sequence[str] | None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     handler: Callable[[argparse.Namespace], int] = args.handler

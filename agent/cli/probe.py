@@ -31,6 +31,7 @@ from agent.archive.database import open_engine, upgrade
 from agent.archive.sink import ArchiveSink
 from agent.archive.spool import Spool
 from agent.archive.stack_snapshots import StackNotFound, find, last_stack
+from agent.cli.pipes import closed_pipe
 from agent.config.names import NODE_WIDE
 from agent.config.settings import ProbePlanEntry, Settings, redact_url
 from agent.probes.analysis import RunAnalysis
@@ -441,37 +442,65 @@ def run_probes(settings: Settings, request: Request, as_json: bool) -> int:
         for collector in collectors:
             collector.close()
     problem = None if recorder is None else recorder.close()
+    status = _show(results, scheduler, request, as_json, settings, recorded=problem is None)
+    _plot(results, request.plot)
+    if problem is not None:
+        print(f"sustain probe: {problem}", file=sys.stderr)
+        return 1
+    if results and all(run.outcome == "skipped" for run, _ in results):
+        print(
+            "sustain probe: every run was skipped (each one's reason is in the output); "
+            "--force runs even on a busy device",
+            file=sys.stderr,
+        )
+        return status or 1
+    if status is not None:
+        return status
+    return 0 if all(run.outcome in ("ok", "unsupported", "skipped") for run, _ in results) else 1
+
+
+def _show(
+    results: Sequence[tuple[ProbeRun, RunAnalysis | None]],
+    scheduler: ProbeScheduler,
+    request: Request,
+    as_json: bool,
+    settings: Settings,
+    *,
+    recorded: bool,
+) -> int | None:
+    """Print the runs, each against the best of its group; the status of a closed pipe, else
+    None."""
     ratios = ratios_to_best([run for run, _ in results if run.spec.scope == "device"])
     couplings = {
         run.id: coupling
         for run, _ in results
         if run.spec.scope != "device" and (coupling := scheduler.coupling(run.spec)) is not None
     }
-    if as_json:
-        document = {
-            "runs": [
-                run_json(run, analysis, ratios.get(run.id), couplings.get(run.id))
-                for run, analysis in results
-            ],
-            "recorded": request.record and problem is None,
-        }
-        json.dump(document, sys.stdout, indent=2, allow_nan=False)
-        sys.stdout.write("\n")
-    else:
-        width = max(60, min(shutil.get_terminal_size((80, 24)).columns, 100))
-        print(
-            "\n\n".join(
-                render_run(run, analysis, ratios.get(run.id), width, couplings.get(run.id))
-                for run, analysis in results
+    try:
+        if as_json:
+            document = {
+                "runs": [
+                    run_json(run, analysis, ratios.get(run.id), couplings.get(run.id))
+                    for run, analysis in results
+                ],
+                "recorded": request.record and recorded,
+            }
+            json.dump(document, sys.stdout, indent=2, allow_nan=False)
+            sys.stdout.write("\n")
+        else:
+            width = max(60, min(shutil.get_terminal_size((80, 24)).columns, 100))
+            print(
+                "\n\n".join(
+                    render_run(run, analysis, ratios.get(run.id), width, couplings.get(run.id))
+                    for run, analysis in results
+                )
             )
-        )
-        if request.record and problem is None:
-            print(f"\narchived {len(results)} run(s) in {redact_url(settings.database_url)}")
-    _plot(results, request.plot)
-    if problem is not None:
-        print(f"sustain probe: {problem}", file=sys.stderr)
-        return 1
-    return 0 if all(run.outcome in ("ok", "unsupported", "skipped") for run, _ in results) else 1
+            if request.record and recorded:
+                print(f"\narchived {len(results)} run(s) in {redact_url(settings.database_url)}")
+        sys.stdout.flush()
+    except BrokenPipeError:  # `sustain probe | head`: the runs are archived and plotted still
+        return closed_pipe()
+    return None
 
 
 def _plot(results: Sequence[tuple[ProbeRun, RunAnalysis | None]], directory: Path | None) -> None:

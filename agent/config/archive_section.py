@@ -83,10 +83,13 @@ class ArchiveSection(_Section):
         if value is None:
             return None
         url = urls.parse(value)  # DatabaseUrlError is a ValueError: one line, no URL
+        unsupported = urls.unsupported_backend(url)
+        if unsupported is not None:
+            raise ValueError(unsupported)
         try:
             url.get_dialect()
         except NoSuchModuleError:
-            raise ValueError(f"unknown database dialect {url.drivername!r}") from None
+            raise ValueError(f"unknown database driver {url.drivername!r}") from None
         if url.get_backend_name() == "sqlite" and not url.database:
             raise ValueError("a SQLite URL needs a file path (sqlite:////path/to/sustain.db)")
         return value

@@ -16,6 +16,7 @@ from __future__ import annotations
 import re
 import sys
 from collections.abc import Mapping
+from difflib import get_close_matches
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote, quote_plus
@@ -24,6 +25,8 @@ from sqlalchemy.engine import URL, make_url
 from sqlalchemy.exc import ArgumentError
 
 HIDDEN = "***"
+# The databases the archive runs on (SQLAlchemy backend names); `config check` refuses the rest.
+SUPPORTED_BACKENDS = ("sqlite", "postgresql")
 # A query parameter whose name holds one of these (any case) is a secret: password, sslpassword,
 # passwd, pwd, client_secret, access_token...
 SECRET_PARAMETER_WORDS = ("password", "passwd", "pwd", "secret", "token")
@@ -51,6 +54,17 @@ def parse(text: str) -> URL:
         return make_url(text)
     except (ArgumentError, ValueError):  # ValueError: a port that is not a number
         raise DatabaseUrlError("malformed database URL (expected dialect[+driver]://...)") from None
+
+
+def unsupported_backend(url: URL) -> str | None:
+    """Why the archive cannot run on ``url``'s database, with the nearest supported name where
+    the scheme is a near miss (``postgres://``), or None."""
+    backend = url.get_backend_name()
+    if backend in SUPPORTED_BACKENDS:
+        return None
+    near = get_close_matches(backend, SUPPORTED_BACKENDS, n=1, cutoff=0.6)
+    hint = f" (did you mean {near[0]!r}?)" if near else ""
+    return f"unsupported database {backend!r}{hint}: the archive runs on sqlite or postgresql"
 
 
 def _is_secret_parameter(name: str) -> bool:

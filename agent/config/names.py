@@ -18,6 +18,7 @@ from workloads.catalog import (
     PRECISIONS,
     WORKLOADS,
     cuda_native_reason,
+    unsupported_up_front,
 )
 
 __all__ = [
@@ -29,6 +30,7 @@ __all__ = [
     "check_precision",
     "check_workload",
     "cuda_native_reason",
+    "unsupported_up_front",
 ]
 
 

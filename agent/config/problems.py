@@ -14,7 +14,8 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, get_origin
+from difflib import get_close_matches
+from typing import Any, get_args, get_origin
 
 from pydantic import BaseModel
 from pydantic_core import ErrorDetails
@@ -180,19 +181,22 @@ def problem_line(
     where: str,
     shown: Callable[[Any], str | None],
     text: Callable[[str], str] = one_line,
+    model: type[BaseModel] | None = None,
 ) -> str:
     """One problem as ``WHERE: message``, the value quoted by ``shown`` (None: not quoted), the
     message kept to one line by ``text`` (webconfig.py keeps its messages as written: settings.py
     quotes each of its lines whole).
 
-    Unknown keys are said so; model class names and pydantic's "Value error, " are left out. The
-    value is said once: ``(got ...)`` follows pydantic's own messages only, which never quote it;
-    a validator's message is complete as it stands, quoting the value itself where that helps and
-    never where it could be a secret (a plain-text password put where a hash belongs).
+    Unknown keys are said so, with the nearest key ``model`` has there; model class names and
+    pydantic's "Value error, " are left out. The value is said once: ``(got ...)`` follows
+    pydantic's own messages only, which never quote it; a validator's message is complete as it
+    stands, quoting the value itself where that helps and never where it could be a secret (a
+    plain-text password put where a hash belongs).
     """
     kind = item["type"]
     if kind in UNKNOWN_KEY_TYPES:
-        return f"{where}: unknown key"
+        near = None if model is None else near_key(model, item["loc"])
+        return f"{where}: unknown key" + (f" (did you mean {near!r}?)" if near else "")
     if kind in _TABLE_TYPES:
         message = "Input should be a table"
     else:
@@ -201,6 +205,26 @@ def problem_line(
     if kind not in _COMPLETE_TYPES and (value := shown(item["input"])) is not None:
         message += f" (got {value})"
     return f"{where}: {message}"
+
+
+def near_key(model: type[BaseModel], loc: Sequence[str | int]) -> str | None:
+    """The key of ``model`` at ``loc`` (tables by key, lists by index) nearest to the unknown
+    last one, or None."""
+    annotation: Any = model
+    for part in loc[:-1]:
+        if isinstance(part, int) and get_origin(annotation) is list:
+            annotation = get_args(annotation)[0]
+        elif isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            field = annotation.model_fields.get(str(part))
+            if field is None:
+                return None
+            annotation = field.annotation
+        else:
+            return None
+    if not (loc and isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+        return None
+    near = get_close_matches(str(loc[-1]), list(annotation.model_fields), n=1, cutoff=0.6)
+    return near[0] if near else None
 
 
 def environment_json_lines(

@@ -11,6 +11,7 @@ import os
 import socket
 import tomllib
 from collections.abc import Mapping
+from difflib import get_close_matches
 from pathlib import Path
 from typing import Annotated, Any, Literal, cast
 
@@ -545,7 +546,11 @@ def _problem_lines(error: ValidationError, sources: Sources) -> list[str]:
     # Keys, messages and values come from the user: each is cut short and kept on one line.
     return [
         problem_line(
-            item, sources.where(item["loc"]), problems.quoted, problems.message_naming_a_file
+            item,
+            sources.where(item["loc"]),
+            problems.quoted,
+            problems.message_naming_a_file,
+            model=Settings,
         )
         for item in error.errors()
     ]
@@ -570,12 +575,12 @@ def load(
     environ = {
         name: value for name, value in os.environ.items() if name.upper().startswith(ENV_PREFIX)
     }
+    unknown = unknown_sections(environ) if use_env else []
     try:
         # Sections go in as plain dicts; pydantic validates them (mypy sees only the
         # settings-class keyword arguments in the signature).
         sections: dict[str, Any] = {k: dict(v) for k, v in (overrides or {}).items()}
         settings: Settings = cast(Any, settings_cls)(**sections)
-        return settings
     except ValidationError as exc:
         file_name = None if path is None else one_line(str(path), limit=None)
         sources = Sources(
@@ -586,14 +591,44 @@ def load(
             flag_names=flag_names or {},
             env_prefix=ENV_PREFIX,
         )
-        raise ConfigError(_problem_lines(exc, sources)) from None
+        raise ConfigError(unknown + _problem_lines(exc, sources)) from None
     except SettingsError:  # a variable that sets a list or table and holds no JSON
         lines = environment_json_lines(environ, Settings, ENV_PREFIX)
         raise ConfigError(lines or ["environment: a SUSTAIN_ variable is not valid JSON"]) from None
+    if unknown:
+        raise ConfigError(unknown)
+    return settings
+
+
+def unknown_sections(environ: Mapping[str, str]) -> list[str]:
+    """``SUSTAIN_SECTION__KEY`` variables whose section the configuration lacks, which
+    pydantic-settings passes over without a word (a ``[section]`` in the file is refused). A
+    variable without ``__`` is not a setting of a section (``SUSTAIN_CONFIG``) and is left be."""
+    lines = []
+    for name in sorted(environ):
+        section, nested, _ = name[len(ENV_PREFIX) :].lower().partition("__")
+        if not nested or section in Settings.model_fields:
+            continue
+        near = get_close_matches(section, list(Settings.model_fields), n=1, cutoff=0.6)
+        hint = f" (did you mean {ENV_PREFIX}{near[0].upper()}__...?)" if near else ""
+        lines.append(f"{one_line(name)}: unknown section {section!r}{hint}")
+    return lines
+
+
+def check_environment() -> list[str]:
+    """Every problem of the ``SUSTAIN_*`` environment over the embedded defaults: what would stop
+    the agent here whatever its file says (an unknown section, a switch that is not true or
+    false)."""
+    try:
+        load(None)
+    except ConfigError as exc:
+        return exc.problems
+    return []
 
 
 def check_file(path: Path) -> list[str]:
-    """Every problem of one config file on its own (the environment is not consulted).
+    """Every problem of one config file on its own (the environment is not consulted: see
+    ``check_environment``).
 
     Beyond ``load``, the TLS certificate and key of the web configuration file are loaded, so
     that a key that does not match its certificate is found here, not at the next restart.

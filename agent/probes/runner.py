@@ -250,6 +250,12 @@ def skipped(spec: ProbeSpec, reason: str) -> ProbeRun:
     return ProbeRun(uuid.uuid4().hex, spec, "skipped", reason, now, now)
 
 
+def unsupported(spec: ProbeSpec, reason: str) -> ProbeRun:
+    """A run the device cannot do at all, known before any child starts."""
+    now = time.time()
+    return ProbeRun(uuid.uuid4().hex, spec, "unsupported", reason, now, now)
+
+
 def child_environment(device: ProbeDevice, base: Mapping[str, str] | None = None) -> dict[str, str]:
     """The allow-listed part of ``base`` (the agent's environment), and the GPU to use.
 

@@ -32,7 +32,7 @@ from apscheduler.schedulers.base import BaseScheduler
 from apscheduler.triggers.cron import CronTrigger
 from apscheduler.triggers.interval import IntervalTrigger
 
-from agent.config.names import NODE_WIDE
+from agent.config.names import NODE_WIDE, unsupported_up_front
 from agent.config.settings import ProbePlanEntry, ProbingSection
 from agent.probes.analysis import AnalysisError, RunAnalysis, analyze_run
 from agent.probes.devices import TelemetryCapture, gpu_devices, plan_specs
@@ -55,6 +55,7 @@ from agent.probes.runner import (
     ProbeSpec,
     Watch,
     skipped,
+    unsupported,
 )
 from agent.probes.status import LatestRun, ProbeKey, ProbeResult, ProbeStatus
 from agent.telemetry.sampler import SamplerLoop
@@ -410,12 +411,11 @@ class ProbeScheduler:
         with contextlib.ExitStack() as locks:
             for key in sorted({member.gpu for member in spec.device.members} or {spec.device.gpu}):
                 locks.enter_context(self._device_lock(key))
-            reason = None if force else self.skip_reason(spec)
-            if reason is not None:
-                run = skipped(spec, reason)
-                log.info("probe %s skipped: %s", spec.name, reason)
-                self._record(run)
-                return run, None
+            ended = self._ended_before_start(spec, force)
+            if ended is not None:
+                log.info("probe %s %s: %s", spec.name, ended.outcome, ended.reason)
+                self._record(ended)
+                return ended, None
             run_id = self._begin(spec)
             try:
                 run = self.runner.run(
@@ -432,6 +432,17 @@ class ProbeScheduler:
             self._record(run, analysis=analysis, stack_id=self._stack_after(run))
             self._log_outcome(run, len(telemetry))
             return run, analysis
+
+    def _ended_before_start(self, spec: ProbeSpec, force: bool) -> ProbeRun | None:
+        """A run that ends before any child starts: unsupported where the catalogue knows the
+        device cannot run it (checked first: no load or ``force`` makes it runnable), else
+        skipped where the device is busy or over its duty cycle, unless ``force``."""
+        device = spec.device
+        lacks = unsupported_up_front(spec.workload, spec.precision, device.kind, device.capability)
+        if lacks is not None:
+            return unsupported(spec, lacks)
+        reason = None if force else self.skip_reason(spec)
+        return None if reason is None else skipped(spec, reason)
 
     @staticmethod
     def _log_outcome(run: ProbeRun, samples: int) -> None:

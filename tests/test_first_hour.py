@@ -1,0 +1,216 @@
+"""A new user's first hour, round 2 (issue 27): what a first try on a CPU-only node ran into.
+
+Each test here failed on the main branch before the change it covers: a closed pipe ended in a
+traceback, a workload the CPU cannot run started a child (or was skipped as busy) before saying
+so, `config check` passed what the agent or `db upgrade` refused later, and a misspelt key or
+section got no suggestion.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import cpu_wrapper, wrapped_runs
+
+from agent.config import settings as config
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _env(**extra: str) -> dict[str, str]:
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("SUSTAIN_", "FAKENVML_"))}
+    return base | extra
+
+
+def _sustain(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "agent", *args],
+        capture_output=True,
+        text=True,
+        env=env or _env(),
+        timeout=120,
+        check=False,
+    )
+
+
+def _into_closed_pipe(
+    args: list[str], cwd: Path, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """`sustain ARGS` with standard output a pipe whose reader has gone (`... | head` once head
+    has exited): its first write fails with EPIPE, whenever it comes."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        return subprocess.run(
+            [sys.executable, "-m", "agent", *args],
+            stdout=write_end,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=cwd,
+            env=env or _env(),
+            timeout=300,
+            check=False,
+        )
+    finally:
+        os.close(write_end)
+
+
+def test_help_into_a_closed_pipe_is_no_traceback(tmp_path: Path) -> None:
+    """argparse itself drops what it cannot write of a help text (it ignores OSError there), so
+    `sustain --help | head -1` ends 0, without a traceback."""
+    done = _into_closed_pipe(["--help"], tmp_path)
+    assert "Traceback" not in done.stderr, done.stderr
+    assert done.returncode == 0, done.stderr
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["analyze", "SERIES", "--json"],
+        ["analyze", "SERIES"],
+        ["config", "show"],
+        ["capacity", "--database", "DATABASE"],
+        ["stack", "show", "--database", "DATABASE"],
+    ],
+    ids=["analyze-json", "analyze", "config-show", "capacity", "stack-show"],
+)
+def test_a_closed_pipe_ends_quietly_with_the_status_of_sigpipe(
+    tmp_path: Path, args: list[str]
+) -> None:
+    series = tmp_path / "series.csv"
+    series.write_text("".join(f"{1.0 + (i % 7) * 0.001}\n" for i in range(400)))
+    database = f"sqlite:///{tmp_path / 'sustain.db'}"
+    argv = [{"SERIES": str(series), "DATABASE": database}.get(arg, arg) for arg in args]
+    if "DATABASE" in args:  # an archive with its tables and no results
+        done = _sustain("db", "upgrade", "--database", database)
+        assert done.returncode == 0, done.stderr
+    done = _into_closed_pipe(argv, tmp_path)
+    assert "Traceback" not in done.stderr, done.stderr
+    assert "BrokenPipeError" not in done.stderr, done.stderr
+    assert done.returncode == 141, (done.returncode, done.stderr)
+
+
+def test_a_probe_into_a_closed_pipe_is_archived_still(tmp_path: Path) -> None:
+    """`sustain probe --record | head`: the output is lost with the reader, never the run."""
+    database = tmp_path / "sustain.db"
+    # A loaded machine may take seconds more than the run's 1 s to end it: no timeout here.
+    (tmp_path / "sustain.toml").write_text("[probing]\nrun_grace_seconds = 120\n")
+    args = ["probe", "--config", str(tmp_path / "sustain.toml"), "--workload", "membw"]
+    args += ["--size", "small", "--duration", "1", "--device", "cpu", "--force", "--record"]
+    args += ["--json", "--database", f"sqlite:///{database}"]
+    done = _into_closed_pipe(args, tmp_path)
+    assert "Traceback" not in done.stderr, done.stderr
+    assert done.returncode == 141, (done.returncode, done.stderr)
+    with sqlite3.connect(database) as connection:
+        rows = connection.execute("SELECT workload, outcome FROM probe_runs").fetchall()
+    assert rows == [("membw", "ok")], rows
+
+
+@pytest.mark.parametrize(
+    ("workload", "precision", "reason"),
+    [
+        ("h2d", "fp32", "h2d needs a CUDA device"),
+        ("d2h", "fp32", "d2h needs a CUDA device"),
+        ("matmul", "tf32", "tf32 is a CUDA tensor-core mode"),
+        ("matmul", "fp8", "needs a CUDA device with compute capability >= 8.9"),
+    ],
+)
+def test_what_the_cpu_cannot_run_is_unsupported_before_any_child(
+    tmp_path: Path, workload: str, precision: str, reason: str
+) -> None:
+    """Without --force (busy or not: no load makes it runnable) and no child started."""
+    wrapper, log = cpu_wrapper(tmp_path)
+    (tmp_path / "sustain.toml").write_text(f'[probing]\npython = "{wrapper}"\n')
+    done = _sustain(
+        *("probe", "--config", str(tmp_path / "sustain.toml"), "--data-dir", str(tmp_path)),
+        *("--workload", workload, "--precision", precision, "--device", "cpu", "--json"),
+    )
+    assert done.returncode == 0, done.stderr
+    (run,) = json.loads(done.stdout)["runs"]
+    assert (run["outcome"], run["workload"], run["precision"]) == (
+        "unsupported",
+        workload,
+        precision,
+    )
+    assert reason in run["reason"]
+    assert wrapped_runs(log) == [], "a child was started for it"
+
+
+def test_the_catalogue_says_what_the_child_says() -> None:
+    """The up-front reasons are the workloads' own, word for word, on this CPU."""
+    from workloads import device
+    from workloads.catalog import WORKLOADS, unsupported_up_front
+    from workloads.registry import WORKLOADS as CLASSES
+
+    cpu = device.probe("cpu")
+    for name, declared in WORKLOADS.items():
+        for precision in declared.precisions:
+            up_front = unsupported_up_front(name, precision, "cpu", None)
+            if up_front is not None:
+                child = CLASSES[name].unsupported_reason(cpu, precision, "eager")
+                assert child == up_front, (name, precision)
+
+
+def test_config_check_refuses_a_database_the_archive_cannot_use(tmp_path: Path) -> None:
+    for url, line in [
+        (
+            "mysql://u@db/x",
+            "unsupported database 'mysql': the archive runs on sqlite or postgresql",
+        ),
+        ("postgres://u@db/x", "unsupported database 'postgres' (did you mean 'postgresql'?)"),
+        ("postgresql+nosuchdriver://u@db/x", "unknown database driver 'postgresql+nosuchdriver'"),
+    ]:
+        path = tmp_path / "sustain.toml"
+        path.write_text(f'[archive]\ndatabase_url = "{url}"\n')
+        problems = config.check_file(path)
+        assert len(problems) == 1, problems
+        assert line in problems[0], problems
+
+
+def test_a_switch_is_true_or_false_in_a_file_and_the_environment_alike(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "sustain.toml"
+    for value in ('"yes"', "1", '"on"'):
+        path.write_text(f"[probing]\nenabled = {value}\n")
+        (problem,) = config.check_file(path)
+        assert problem.startswith(f"{path}: probing.enabled: expected true or false"), problem
+    path.write_text("[probing]\nenabled = false\n")
+    assert config.check_file(path) == []
+    monkeypatch.setenv("SUSTAIN_PROBING__ENABLED", "yes")
+    (problem,) = config.check_environment()
+    assert problem.startswith("SUSTAIN_PROBING__ENABLED: expected true or false"), problem
+    monkeypatch.setenv("SUSTAIN_PROBING__ENABLED", "False")
+    assert config.check_environment() == []
+    assert config.load(None).probing.enabled is False
+
+
+def test_an_unknown_section_is_refused_from_any_source(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "sustain.toml"
+    path.write_text("[probng]\nenabled = true\n[probing]\nenabld = true\n")
+    assert sorted(config.check_file(path)) == [
+        f"{path}: probing.enabld: unknown key (did you mean 'enabled'?)",
+        f"{path}: probng: unknown key (did you mean 'probing'?)",
+    ]
+    monkeypatch.setenv("SUSTAIN_PROBNG__ENABLED", "true")
+    monkeypatch.setenv("SUSTAIN_BOGUS__X", "1")
+    assert config.check_environment() == [
+        "SUSTAIN_BOGUS__X: unknown section 'bogus'",
+        "SUSTAIN_PROBNG__ENABLED: unknown section 'probng' (did you mean SUSTAIN_PROBING__...?)",
+    ]
+    # `config check FILE` says them too (a good file, a bad environment: exit 2), and so does
+    # every command that loads the configuration.
+    path.write_text("[probing]\nenabled = true\n")
+    for args in (["config", "check", str(path)], ["config", "show"]):
+        done = _sustain(*args, env=_env(SUSTAIN_BOGUS__X="1"))
+        assert done.returncode == 2, done
+        assert "SUSTAIN_BOGUS__X: unknown section 'bogus'" in done.stdout + done.stderr
+        assert "Traceback" not in done.stderr
