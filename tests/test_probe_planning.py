@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from apscheduler.schedulers.background import BackgroundScheduler
 from conftest import FakeGpus, cpu_wrapper, start_agent, wrapped_runs
 from test_bounded_runs import iteration_capped_python
 
@@ -214,6 +215,64 @@ def test_the_daemon_plans_from_nvml_and_touches_no_busy_gpu(
     children = _logged(log)
     # (The analysis child is started with the same interpreter and sees no GPU.)
     assert [child["gpus"] for child in children if child["gpus"]] == [GPU1], children
+
+
+def test_a_skipped_run_is_tried_again_soon_until_it_runs(
+    scenario: Scenario, tmp_path: Path
+) -> None:
+    """A job holds GPU 0 for the first 8 s of the agent's life; the plan's interval is an hour.
+    The daemon's schedule (APScheduler, as `sustain run` has it) tries GPU 0 again after 1 s,
+    2 s, 4 s ... and has its result long before the next round; GPU 1, which ran, is not run
+    again. The skips are counted by why."""
+    _, collector = scenario(TWO_GPUS + "process 0 4242 3221225472 0 8\n", 1.0)
+    wrapper, _ = cpu_wrapper(tmp_path)
+    capped = iteration_capped_python(tmp_path, 80, target=wrapper)  # a duration of 60 s at most
+    store = TelemetryStore(64)
+    capture = TelemetryCapture()
+    loop = SamplerLoop(collector, 0.5, sinks=(store.record, capture.record), stall_seconds=30)
+    loop.poll_once()
+    settings = ProbingSection.model_validate(
+        {
+            "initial_delay_seconds": 0,
+            "skip_retry_seconds": 1,
+            "duty_cycle": 1.0,
+            "plan": [
+                {
+                    "workload": "membw",
+                    "size": "small",
+                    "duration_seconds": 60,
+                    "interval_seconds": 3600,
+                    "jitter_seconds": 0,
+                }
+            ],
+        }
+    )
+    runner = ProbeRunner(python=str(capped), startup_timeout_seconds=120, grace_seconds=60)
+    probes = ProbeScheduler(settings, runner, store, capture, (loop,), 0.5)
+    jobs = BackgroundScheduler(timezone="UTC")
+    loop.start()
+    probes.schedule(jobs)
+    jobs.start()
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline:
+            status = probes.status()
+            if (GPU0, "ok") in {(key[4], key[5]) for key in status.runs}:
+                break
+            time.sleep(0.5)
+    finally:
+        probes.stop()
+        jobs.shutdown(wait=True)
+        loop.request_stop()
+        loop.join(5)
+    runs = {(key[4], key[5]): count for key, count in status.runs.items()}
+    reasons = {key[4]: (latest.outcome, latest.reason) for key, latest in status.latest.items()}
+    assert runs.get((GPU0, "ok")) == 1, (runs, reasons)
+    assert runs.get((GPU0, "skipped"), 0) >= 1, runs
+    assert runs.get((GPU1, "ok")) == 1, runs  # ran in the first round: never tried again
+    assert (GPU1, "skipped") not in runs, runs
+    skips = {(key[4], key[5]): count for key, count in status.skips.items()}
+    assert skips == {(GPU0, "foreign_processes"): runs[(GPU0, "skipped")]}, skips
 
 
 def test_gpu_precisions_come_from_the_capability_nvml_states(

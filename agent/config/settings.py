@@ -315,6 +315,14 @@ class ProbingSection(_Section):
         le=DAY_SECONDS,
         description="Wait this long after start-up before the first probe.",
     )
+    skip_retry_seconds: float = Field(
+        default=60.0,
+        ge=0,
+        le=DAY_SECONDS,
+        description="A plan entry's runs skipped (device busy, duty cycle) are tried again after "
+        "this long, then twice as long each time, until they run or the entry's next scheduled "
+        "round comes first; 0 waits for that round.",
+    )
     busy_gpu_utilization: float = Field(
         default=0.05,
         ge=0,

@@ -129,6 +129,15 @@ def _probe_families(status: ProbeStatus) -> Iterator[Metric]:
         runs.add_metric(list(key), count)
         preempted[key[:-1]] += count if key[-1] == "preempted" else 0
     yield runs
+    skips = CounterMetricFamily(
+        "sustain_probe_skips",
+        "Probe runs skipped before they started, by why: duty_cycle, foreign_processes, "
+        "gpu_busy, cpu_busy, mig_unknown.",
+        labels=[*_PROBE_LABELS, "reason"],
+    )
+    for key, count in sorted(status.skips.items()):
+        skips.add_metric(list(key), count)
+    yield skips
     # From a probe's first run on, 0 until it yields: increase() sees the first preemption.
     preemptions = CounterMetricFamily(
         "sustain_probe_preemptions",

@@ -47,6 +47,7 @@ from agent.probes.node import (
 )
 from agent.probes.preemption import CpuWatch, GpuWatch
 from agent.probes.protocol import Iteration
+from agent.probes.retry import SkippedRetry, SkipReason, skip_kind
 from agent.probes.runner import (
     CPU,
     ProbeDevice,
@@ -141,6 +142,8 @@ class ProbeScheduler:
         self._history: dict[str, deque[tuple[float, float]]] = {}
         self._fast_users = 0
         self._runs: Counter[tuple[str, str, str, str, str, str]] = Counter()
+        self._skips: Counter[tuple[str, str, str, str, str, str]] = Counter()  # key + kind
+        self._retry: SkippedRetry | None = None  # with a schedule: skipped runs tried again
         self._last_run: dict[ProbeKey, float] = {}
         self._results: dict[ProbeKey, ProbeResult] = {}
         self._latest: dict[ProbeKey, LatestRun] = {}
@@ -170,6 +173,9 @@ class ProbeScheduler:
         return gpu_devices(self._store) or [CPU]
 
     def schedule(self, scheduler: BaseScheduler) -> None:
+        self._retry = SkippedRetry(
+            scheduler, self.run_one, self.settings.skip_retry_seconds, self._stopping
+        )
         first = time.time() + self.settings.initial_delay_seconds
         for position, entry in enumerate(self.settings.plan):
             trigger: IntervalTrigger | CronTrigger
@@ -185,11 +191,12 @@ class ProbeScheduler:
                     timezone="UTC",
                 )
                 next_run = first + random.uniform(0, entry.jitter_seconds)  # noqa: S311
+            job_id = f"probe-{position}-{entry.workload}"
             scheduler.add_job(
                 self.run_entry,
                 trigger,
-                args=(entry,),
-                id=f"probe-{position}-{entry.workload}",
+                args=(entry, job_id),
+                id=job_id,
                 max_instances=1,
                 coalesce=True,
                 misfire_grace_time=None,
@@ -200,7 +207,14 @@ class ProbeScheduler:
                 ),
             )
 
-    def run_entry(self, entry: ProbePlanEntry) -> list[ProbeRun]:
+    def run_entry(self, entry: ProbePlanEntry, job_id: str | None = None) -> list[ProbeRun]:
+        """One round of a plan entry (job ``job_id``), its skips tried again (probes.retry)."""
+        runs = self._round(entry)
+        if self._retry is not None:
+            self._retry.after_round(entry, runs, job_id)
+        return runs
+
+    def _round(self, entry: ProbePlanEntry) -> list[ProbeRun]:
         runs: list[ProbeRun] = []
         devices = self.devices()
         members: list[ProbeDevice] = []
@@ -500,16 +514,17 @@ class ProbeScheduler:
         )
         return analysis
 
-    def skip_reason(self, spec: ProbeSpec) -> str | None:
+    def skip_reason(self, spec: ProbeSpec) -> SkipReason | None:
         device = spec.device
         now = time.time()
         used = self.duty_used(device.key, now)
         budget = self.settings.duty_cycle * DUTY_WINDOW_SECONDS
         if used + spec.duration_seconds > budget:
-            return (
+            return SkipReason(
                 f"duty cycle: {used:.0f} s of {budget:.0f} s used on {device.title} in the last "
                 f"hour, {spec.duration_seconds:g} s more would exceed "
-                f"{self.settings.duty_cycle:.1%}"
+                f"{self.settings.duty_cycle:.1%}",
+                "duty_cycle",
             )
         if device.members:  # node-wide: every GPU must pass its own checks
             reasons = (self.skip_reason(replace(spec, device=m)) for m in device.members)
@@ -519,30 +534,37 @@ class ProbeScheduler:
             held = self.occupants(device.key) if busy_gpu and self.occupants else ""
             # Who held it goes into the skip's reason in the archive: "which job kept the probe
             # off GPU 3" has an answer later.
-            return f"{busy_gpu} (held by {held})" if held else busy_gpu
+            if busy_gpu is None or not held:
+                return busy_gpu
+            return SkipReason(f"{busy_gpu} (held by {held})", busy_gpu.kind)
         busy = self._busy_mean(device, "cpu_utilization_ratio", now)
         if busy is not None and busy > self.settings.busy_cpu_utilization:
-            return (
+            return SkipReason(
                 f"CPU busy: mean utilization {busy:.0%} over the last minute "
                 f"(threshold {self.settings.busy_cpu_utilization:.0%})"
-                f"{self._busiest_processes()}"
+                f"{self._busiest_processes()}",
+                "cpu_busy",
             )
         return None
 
-    def _gpu_busy(self, device: ProbeDevice, now: float) -> str | None:
+    def _gpu_busy(self, device: ProbeDevice, now: float) -> SkipReason | None:
         if self.settings.skip_foreign_processes:
             foreign = self._latest_value(device, "gpu_foreign_compute_processes")
             if foreign:
-                return f"{int(foreign)} foreign compute process(es) on GPU {device.label}"
+                return SkipReason(
+                    f"{int(foreign)} foreign compute process(es) on GPU {device.label}",
+                    "foreign_processes",
+                )
         busy = self._busy_mean(device, "gpu_utilization_ratio", now)
         if busy is not None and busy > self.settings.busy_gpu_utilization:
-            return (
+            return SkipReason(
                 f"GPU {device.label} busy: mean utilization {busy:.0%} over the last minute "
-                f"(threshold {self.settings.busy_gpu_utilization:.0%})"
+                f"(threshold {self.settings.busy_gpu_utilization:.0%})",
+                "gpu_busy",
             )
         return None
 
-    def _mig_busy(self, device: ProbeDevice) -> str | None:
+    def _mig_busy(self, device: ProbeDevice) -> SkipReason | None:
         """A MIG GPU is busy when any of its MIG devices has work: its utilization reads N/A,
         so the processes decide, on the GPU's list or, where NVML refuses that one, the
         instances' lists. When neither can be read, whether it is busy cannot be told: skipped,
@@ -566,16 +588,21 @@ class ProbeScheduler:
         busy = {gi: int(count) for gi, count in sorted(instances.items()) if count}
         if busy:
             where = ", ".join(f"{count} on MIG {gi}" for gi, count in busy.items())
-            return (
+            return SkipReason(
                 f"{sum(busy.values())} foreign compute process(es) on GPU {device.label} "
-                f"(MIG mode: {where})"
+                f"(MIG mode: {where})",
+                "foreign_processes",
             )
         if whole:
-            return f"{int(whole)} foreign compute process(es) on GPU {device.label} (MIG mode)"
+            return SkipReason(
+                f"{int(whole)} foreign compute process(es) on GPU {device.label} (MIG mode)",
+                "foreign_processes",
+            )
         if whole is None and (not instances or None in instances.values()):
-            return (
+            return SkipReason(
                 f"GPU {device.label} is in MIG mode, where utilization reads N/A, and NVML "
-                "refused its process lists: whether it is busy cannot be told"
+                "refused its process lists: whether it is busy cannot be told",
+                "mig_unknown",
             )
         return None
 
@@ -687,6 +714,8 @@ class ProbeScheduler:
         results = self._results if spec.scope == "device" else self._node_results
         with self._lock:
             self._runs[(*key, run.outcome)] += 1
+            if run.outcome == "skipped":
+                self._skips[(*key, skip_kind(run.reason))] += 1
             result = None
             if analysis is not None:
                 manifest = run.manifest or {}
@@ -748,6 +777,7 @@ class ProbeScheduler:
             keys = list(self._history)
             running = dict(self._running)
             runs = dict(self._runs)
+            skips = dict(self._skips)
             last_run = dict(self._last_run)
             results = dict(self._results)
             latest = dict(self._latest)
@@ -766,4 +796,5 @@ class ProbeScheduler:
             node_results=node_results,
             coupling=coupling,
             latest=latest,
+            skips=skips,
         )
