@@ -298,7 +298,7 @@ def test_without_a_minimum_the_size_is_left_alone() -> None:
 
 def test_workloads_list_reports_native_precisions_as_cpuinfo_has_them() -> None:
     done = subprocess.run(
-        [sys.executable, "-m", "workloads", "list", "--device=cpu"],
+        [sys.executable, "-m", "workloads", "list", "--json", "--device=cpu"],
         cwd=ROOT,
         capture_output=True,
         text=True,

@@ -17,10 +17,12 @@ from pathlib import Path
 
 import pytest
 from conftest import cpu_wrapper, wrapped_runs
+from test_bounded_runs import iteration_capped_python
 
 from agent.config import settings as config
 
 ROOT = Path(__file__).resolve().parent.parent
+HEADING_END = ("OUTCOME", "FIGURE", "OR", "WHY")  # of `sustain runs`
 
 
 def _env(**extra: str) -> dict[str, str]:
@@ -40,7 +42,7 @@ def _sustain(*args: str, env: dict[str, str] | None = None) -> subprocess.Comple
 
 
 def _into_closed_pipe(
-    args: list[str], cwd: Path, env: dict[str, str] | None = None
+    args: list[str], cwd: Path, env: dict[str, str] | None = None, module: str = "agent"
 ) -> subprocess.CompletedProcess[str]:
     """`sustain ARGS` with standard output a pipe whose reader has gone (`... | head` once head
     has exited): its first write fails with EPIPE, whenever it comes."""
@@ -48,7 +50,7 @@ def _into_closed_pipe(
     os.close(read_end)
     try:
         return subprocess.run(
-            [sys.executable, "-m", "agent", *args],
+            [sys.executable, "-m", module, *args],
             stdout=write_end,
             stderr=subprocess.PIPE,
             text=True,
@@ -99,10 +101,12 @@ def test_a_closed_pipe_ends_quietly_with_the_status_of_sigpipe(
 def test_a_probe_into_a_closed_pipe_is_archived_still(tmp_path: Path) -> None:
     """`sustain probe --record | head`: the output is lost with the reader, never the run."""
     database = tmp_path / "sustain.db"
-    # A loaded machine may take seconds more than the run's 1 s to end it: no timeout here.
-    (tmp_path / "sustain.toml").write_text("[probing]\nrun_grace_seconds = 120\n")
+    # Capped by iterations, not time: a loaded machine makes the run longer, never short of the
+    # analysis minimum (tests/test_bounded_runs.py, iteration_capped_python).
+    capped = iteration_capped_python(tmp_path, 80)  # membw: 40 of each of its two phases
+    (tmp_path / "sustain.toml").write_text(f'[probing]\npython = "{capped}"\n')
     args = ["probe", "--config", str(tmp_path / "sustain.toml"), "--workload", "membw"]
-    args += ["--size", "small", "--duration", "1", "--device", "cpu", "--force", "--record"]
+    args += ["--size", "small", "--duration", "60", "--device", "cpu", "--force", "--record"]
     args += ["--json", "--database", f"sqlite:///{database}"]
     done = _into_closed_pipe(args, tmp_path)
     assert "Traceback" not in done.stderr, done.stderr
@@ -214,3 +218,96 @@ def test_an_unknown_section_is_refused_from_any_source(
         assert done.returncode == 2, done
         assert "SUSTAIN_BOGUS__X: unknown section 'bogus'" in done.stdout + done.stderr
         assert "Traceback" not in done.stderr
+
+
+def test_sustain_runs_lists_the_latest_runs_with_the_ids_report_run_takes(tmp_path: Path) -> None:
+    from datetime import UTC, datetime, timedelta
+
+    from test_capacity import probe_run
+    from test_capacity_cli import add
+    from test_database_urls import forked_sustain
+
+    url = f"sqlite:///{tmp_path / 'archive.db'}"
+    assert _sustain("db", "upgrade", "--database", url).returncode == 0
+    now = datetime.now(UTC).replace(microsecond=0)
+    steady = probe_run(started_at=now - timedelta(minutes=30), steady_throughput=7.123e14)
+    unsettled = probe_run(
+        started_at=now - timedelta(minutes=20),
+        device="GPU-1",
+        device_label="1",
+        classification="no_steady_state",
+        steady_throughput=None,
+        p10_throughput=6.5e14,
+    )
+    skipped = probe_run(
+        started_at=now - timedelta(minutes=10),
+        outcome="skipped",
+        reason="1 foreign compute process(es) on GPU gpu0",
+        steady_throughput=None,
+        classification=None,
+    )
+    old = probe_run(started_at=now - timedelta(days=3), steady_throughput=1e14)
+    add(url, steady, unsettled, skipped, old)
+    env = _env(COLUMNS="120")
+
+    done = forked_sustain(["runs", "--database", url], env)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0].startswith("RUN ")
+    assert lines[0].split()[1:] == [*("STARTED", "(UTC)", "NODE", "DEVICE", "PROBE"), *HEADING_END]
+    rows = lines[1:5]
+    assert [row.split()[0] for row in rows] == [
+        run["run_id"][:12] for run in (skipped, unsettled, steady, old)
+    ]  # newest first, each id as `sustain report run` takes it (a prefix of 4 or more)
+    assert rows[0].endswith("skipped  1 foreign compute process(es) on GPU gpu0")
+    assert rows[1].endswith("ok       p10 650.0 TFLOP/s (no steady state)")
+    assert rows[2].endswith("ok       712.3 TFLOP/s")
+    assert "sustain report run" in lines[-1]
+
+    done = forked_sustain(["runs", "--database", url, "--since", "1d", "--outcome", "ok"], env)
+    assert [row.split()[0] for row in done.stdout.splitlines()[1:3]] == [
+        unsettled["run_id"][:12],
+        steady["run_id"][:12],
+    ]
+    assert len(done.stdout.splitlines()) == 4  # header, two runs, the hint
+    done = forked_sustain(["runs", "--database", url, "--device", "1", "--json"], env)
+    (only,) = json.loads(done.stdout)
+    assert only["run_id"] == unsettled["run_id"]
+    assert (only["device"], only["uuid"], only["p10_throughput"]) == ("1", "GPU-1", 6.5e14)
+    done = forked_sustain(["runs", "--database", url, "--workload", "membw"], env)
+    assert done.stdout.strip() == "no probe runs in the archive match"
+    done = forked_sustain(["runs", "--database", url, "--limit", "0"], env)
+    assert done.returncode == 2
+    assert done.stderr.count("\n") == 1, done.stderr
+
+
+def test_workloads_list_is_a_table_for_a_person_and_json_for_the_agent(tmp_path: Path) -> None:
+    from workloads.catalog import WORKLOADS
+
+    def workloads(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "workloads", "list", "--device", "cpu", *args],
+            capture_output=True,
+            text=True,
+            env=_env(),
+            timeout=300,
+            check=False,
+        )
+
+    table = workloads()
+    assert table.returncode == 0, table.stderr
+    lines = table.stdout.splitlines()
+    assert lines[0] == "device cpu"
+    assert lines[1].split() == ["WORKLOAD", "UNIT", "PRECISIONS", "OPTIMIZATIONS"]
+    rows = {line.split()[0]: line.split()[1:] for line in lines[2 : 2 + len(WORKLOADS)]}
+    assert set(rows) == set(WORKLOADS)
+    assert rows["membw"] == ["B/s", "fp32", "eager"]
+    assert rows["h2d"] == ["B/s", "-", "-"]
+    assert "  h2d: h2d needs a CUDA device" in lines
+    assert "  matmul tf32: tf32 is a CUDA tensor-core mode" in lines
+    assert max(len(line) for line in lines[: 2 + len(WORKLOADS)]) <= 80
+    listing = json.loads(workloads("--json").stdout)
+    assert set(listing["workloads"]) == set(WORKLOADS)
+    done = _into_closed_pipe(["list", "--device", "cpu"], tmp_path, module="workloads")
+    assert "Traceback" not in done.stderr, done.stderr
+    assert done.returncode == 141

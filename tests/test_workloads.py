@@ -379,7 +379,7 @@ def test_max_iterations_stops_the_run() -> None:
 
 
 def test_list_describes_every_workload_for_the_device() -> None:
-    run = child("list", "--device=cpu")
+    run = child("list", "--json", "--device=cpu")
     assert run.returncode == 0, run.stderr
     [listing] = run.lines
     workloads = listing["workloads"]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 from collections.abc import Sequence
 from typing import Any, NoReturn
@@ -119,11 +120,14 @@ def _parser() -> _Parser:
 
     default_device = "cuda" if torch.cuda.is_available() else "cpu"
     for name, text in (
-        ("list", "describe the workloads and what the device supports"),
+        ("list", "the workloads and what the device supports: a table, or --json"),
         ("facts", "torch versions and backend switches"),
     ):
         command = commands.add_parser(name, help=text)
         command.add_argument("--device", default=default_device, type=_device)
+    commands.choices["list"].add_argument(
+        "--json", action="store_true", help="one JSON object, as the agent reads it"
+    )
     return parser
 
 
@@ -133,6 +137,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "run":
         workload = WORKLOADS[args.workload]
         _check_run_arguments(parser, args, workload)
+    if args.command == "list" and not args.json:
+        return _print_table(describe_workloads(args.device))
     emitter = Emitter.claim_stdout()
     if args.command == "list":
         emitter.emit(describe_workloads(args.device))
@@ -192,6 +198,56 @@ def _check_run_arguments(
         parser.error("--ranks applies to allreduce only")
     if args.ranks == 1:
         parser.error("--ranks must be 2 or more (an all-reduce needs a peer)")
+
+
+def _print_table(listing: dict[str, Any]) -> int:
+    try:
+        print(listing_table(listing))
+        sys.stdout.flush()
+    except BrokenPipeError:  # `python -m workloads list | head`: no traceback
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141  # 128 + SIGPIPE
+    return 0
+
+
+def listing_table(listing: dict[str, Any]) -> str:
+    """``list`` for a person: a line per workload with what runs here, then why the rest
+    does not (or runs without native support)."""
+    native = {p: entry["native"] for p, entry in listing["precisions"].items()}
+    rows = [("WORKLOAD", "UNIT", "PRECISIONS", "OPTIMIZATIONS")]
+    notes: list[str] = []
+    for name, entry in listing["workloads"].items():
+        runs = [p for p, s in entry["precisions"].items() if s["supported"]]
+        levels = [o for o, s in entry["optimizations"].items() if s["supported"]]
+        shown = [p if native.get(p, True) else f"{p}*" for p in runs]
+        rows.append((name, entry["unit"], " ".join(shown) or "-", " ".join(levels) or "-"))
+        if not entry["applies"]:
+            notes.append(f"  {name}: {entry['reason']}")
+            continue
+        notes += [
+            f"  {name} {p}: {s['reason']}" for p, s in entry["precisions"].items() if s["reason"]
+        ]
+        notes += [
+            f"  {name} {o}: {s['reason']}"
+            for o, s in entry["optimizations"].items()
+            if s["reason"] and s["reason"] not in {n.split(": ", 1)[-1] for n in notes}
+        ]
+    widths = [max(len(row[i]) for row in rows) for i in range(3)]
+    lines = [f"device {listing['device']}"]
+    if listing["device_unavailable"]:
+        lines.append(f"unavailable: {listing['device_unavailable']}")
+    lines += [
+        "  ".join(cell.ljust(widths[i]) for i, cell in enumerate(row[:3])) + "  " + row[3]
+        for row in rows
+    ]
+    slow = [(p, e["reason"]) for p, e in listing["precisions"].items() if not e["native"]]
+    if slow:
+        lines.append("* runs without native support, left out of the default plan:")
+        lines += [f"  {p}: {reason}" for p, reason in slow]
+    if notes:
+        lines.append("not supported here:")
+        lines += notes
+    return "\n".join(lines)
 
 
 def describe_workloads(device_spec: str) -> dict[str, Any]:

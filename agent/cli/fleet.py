@@ -11,6 +11,7 @@ import json
 import shlex
 import shutil
 import sys
+from dataclasses import asdict
 from datetime import UTC, datetime
 from typing import Any
 
@@ -21,6 +22,7 @@ from agent.archive.stack_snapshots import StackNotFound, find, history
 from agent.probes.runner import ProbeRunner
 from agent.reports import capacity, capacity_output
 from agent.reports.capacity import parse_since
+from agent.reports.runs import RunFilter, RunLine, recent_runs
 from agent.stack.tracker import torch_facts_from_child
 from collectors.nvml.library import NvmlLibrary
 from collectors.stack import StackSnapshot, capture, describe_diff, diff, flatten
@@ -245,6 +247,60 @@ def _nothing_matches(
     if since_text is not None:
         flags.append(f"--since {shlex.quote(since_text)}")
     return f"no result matches {' '.join(flags)} together"
+
+
+def runs_list(engine: Engine, where: RunFilter, limit: int, as_json: bool) -> str:
+    """``sustain runs``: the latest runs, newest first, a line each (or a JSON array)."""
+    lines = recent_runs(engine, where, limit)
+    if as_json:
+        return json.dumps([_run_json(line) for line in lines], indent=2, allow_nan=False)
+    if not lines:
+        return "no probe runs in the archive match"
+    width = max(80, min(shutil.get_terminal_size((100, 24)).columns, 160))
+    cells = [
+        (
+            line.run_id[:RUN_ID_SHOWN],
+            f"{line.started_at:%Y-%m-%d %H:%M:%S}",
+            line.node,
+            line.device_label,
+            " ".join(
+                [line.workload, line.precision]
+                + ([line.optimization] if line.optimization != "eager" else [])
+                + ([line.scope] if line.scope != "device" else [])
+            ),
+            line.outcome,
+            _headline(line),
+        )
+        for line in lines
+    ]
+    header = ("RUN", "STARTED (UTC)", "NODE", "DEVICE", "PROBE", "OUTCOME", "FIGURE OR WHY")
+    widths = [max(len(row[i]) for row in [header, *cells]) for i in range(len(header) - 1)]
+    room = max(20, width - sum(widths) - 2 * len(widths))
+    text = []
+    for row in [header, *cells]:
+        fixed = "  ".join(cell.ljust(widths[i]) for i, cell in enumerate(row[:-1]))
+        last = row[-1] if len(row[-1]) <= room else row[-1][: room - 3] + "..."
+        text.append(f"{fixed}  {last}".rstrip())
+    return "\n".join(text) + "\n(sustain report run RUN draws a run; --json shows every field)"
+
+
+RUN_ID_SHOWN = 12  # as sustain report run takes a prefix of 4 or more hex digits
+
+
+def _run_json(line: RunLine) -> dict[str, Any]:
+    data = asdict(line)
+    data["started_at"] = line.started_at.isoformat()
+    data["uuid"] = data.pop("device")
+    data["device"] = data.pop("device_label")
+    return data
+
+
+def _headline(line: RunLine) -> str:
+    if line.steady_throughput is not None:
+        return capacity_output.human(line.steady_throughput, line.unit)
+    if line.p10_throughput is not None:
+        return f"p10 {capacity_output.human(line.p10_throughput, line.unit)} (no steady state)"
+    return line.reason or "-"
 
 
 def emit(text: str) -> None:

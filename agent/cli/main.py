@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 from agent import __version__
 from agent.cli.pipes import closed_pipe
+from agent.cli.runs_command import add_runs_command
 from agent.config.names import OPTIMIZATIONS
 
 if TYPE_CHECKING:  # imported where used: `sustain analyze` needs neither pydantic nor SQLAlchemy
@@ -319,6 +320,23 @@ def cmd_drift(args: argparse.Namespace) -> int:
     )
 
 
+def cmd_runs(args: argparse.Namespace) -> int:
+    from agent.cli.fleet import runs_list, since
+    from agent.reports.runs import RunFilter
+
+    def where() -> RunFilter:  # inside _fleet: a bad --since is one line, exit 2
+        return RunFilter(
+            workload=args.workload,
+            precision=args.precision,
+            device=args.device,
+            node=args.node,
+            outcome=args.outcome,
+            since=since(args.since),
+        )
+
+    return _fleet(args, lambda engine: runs_list(engine, where(), args.limit, args.json))
+
+
 def cmd_capacity(args: argparse.Namespace) -> int:
     from agent.cli.fleet import capacity_report
 
@@ -521,6 +539,7 @@ def _add_fleet_commands(commands: Any) -> None:
     stack_history.add_argument("--json", action="store_true", help="a JSON array (off by default)")
     stack_history.set_defaults(handler=cmd_stack_history)
 
+    add_runs_command(commands, _add_config_flags, cmd_runs)
     drift = commands.add_parser(
         "drift", help="lasting changes in sustained throughput, their causes, fleet outliers"
     )

@@ -350,7 +350,15 @@ class ProbeRunner:
             known = self._lacking.get(device.key)
         if known is not None:
             return known
-        command = [self.python, "-m", "workloads", "list", "--device", device.torch_device]
+        command = [
+            self.python,
+            "-m",
+            "workloads",
+            "list",
+            "--json",
+            "--device",
+            device.torch_device,
+        ]
         try:
             done = subprocess.run(
                 command,

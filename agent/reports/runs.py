@@ -94,3 +94,78 @@ def load_run(engine: Engine, run_id: str) -> ArchivedRun:
         iterations=iterations,
         analysis=None if row.analysis is None else json.loads(row.analysis),
     )
+
+
+@dataclass(frozen=True, slots=True)
+class RunLine:
+    """One run as ``sustain runs`` lists it: the id ``sustain report run`` takes, where and
+    what it ran, its outcome and its headline figure (steady throughput, else the p10 of a run
+    with no steady state) or why it has none."""
+
+    run_id: str
+    started_at: datetime
+    node: str
+    device_label: str
+    device: str
+    workload: str
+    precision: str
+    optimization: str
+    scope: str
+    outcome: str
+    reason: str
+    unit: str
+    steady_throughput: float | None
+    p10_throughput: float | None
+
+
+@dataclass(frozen=True, slots=True)
+class RunFilter:
+    """Each one set narrows the list (device: its label, "0" or "cpu", or its UUID)."""
+
+    workload: str | None = None
+    precision: str | None = None
+    device: str | None = None
+    node: str | None = None
+    outcome: str | None = None
+    since: datetime | None = None
+
+
+def recent_runs(engine: Engine, where: RunFilter, limit: int) -> list[RunLine]:
+    """The ``limit`` latest runs that match ``where``, newest first. ArchiveError when the
+    database cannot be read."""
+    record = ProbeRunRecord
+    query = select(
+        record.run_id,
+        record.started_at,
+        record.node,
+        record.device_label,
+        record.device,
+        record.workload,
+        record.precision,
+        record.optimization,
+        record.scope,
+        record.outcome,
+        record.reason,
+        record.unit,
+        record.steady_throughput,
+        record.p10_throughput,
+    )
+    for column, value in (
+        (record.workload, where.workload),
+        (record.precision, where.precision),
+        (record.node, where.node),
+        (record.outcome, where.outcome),
+    ):
+        if value is not None:
+            query = query.where(column == value)
+    if where.device is not None:
+        query = query.where((record.device_label == where.device) | (record.device == where.device))
+    if where.since is not None:
+        query = query.where(record.started_at >= where.since)
+    query = query.order_by(record.started_at.desc(), record.id.desc()).limit(limit)
+    try:
+        with engine.connect() as connection:
+            rows = connection.execute(query).all()
+    except SQLAlchemyError as exc:
+        raise archive_error("read the probe runs from", engine, exc) from exc
+    return [RunLine(**{**row._asdict(), "unit": row.unit or ""}) for row in rows]
