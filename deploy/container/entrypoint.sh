@@ -34,7 +34,7 @@ case ${1} in
         exec sustain run "$@"
         ;;
     # The commands of `sustain --help` (agent/cli/main.py); tests/test_deploy.py keeps the two in step.
-    run | config | db | probe | analyze | stack | drift | capacity | health | report)
+    run | config | db | probe | analyze | stack | drift | capacity | health | report | runs)
         exec sustain "$@"
         ;;
     *)
