@@ -19,20 +19,18 @@ import re
 import sqlite3
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import unquote
 
-from alembic import command
-from alembic.config import Config
-from alembic.runtime.migration import MigrationContext
-from alembic.script import ScriptDirectory
-from alembic.util import CommandError
-from sqlalchemy import Connection, Engine, create_engine, event
+from sqlalchemy import Connection, Engine, create_engine, event, inspect, text
 from sqlalchemy.engine import URL
 from sqlalchemy.exc import ArgumentError, DBAPIError, NoSuchModuleError, SQLAlchemyError
 
 from agent.archive import partitions
 from agent.config import database_url
+
+if TYPE_CHECKING:  # Alembic is imported where the schema is migrated: reading needs none of it
+    from alembic.config import Config
 
 log = logging.getLogger(__name__)
 
@@ -316,7 +314,7 @@ def open_archive(url: str) -> Engine:
         engine = _postgresql_engine(parsed)
     try:
         with engine.connect() as connection:
-            revision = MigrationContext.configure(connection).get_current_revision()
+            revision = _revision(connection)
     except SQLAlchemyError as exc:
         engine.dispose()
         sqlite = parsed.get_backend_name() == "sqlite"
@@ -328,7 +326,18 @@ def open_archive(url: str) -> Engine:
     return engine
 
 
+def _revision(connection: Connection) -> str | None:
+    """The revision Alembic recorded (its table ``alembic_version``, one row), None where the
+    database was never migrated: read without Alembic, whose import costs a command that only
+    reads the archive a noticeable part of its start."""
+    if not inspect(connection).has_table("alembic_version"):
+        return None
+    return connection.execute(text("SELECT version_num FROM alembic_version")).scalar()
+
+
 def _alembic_config(connection: Connection | None = None) -> Config:
+    from alembic.config import Config
+
     # No ini file: the agent must not let Alembic configure logging, and the migrations are found
     # next to this module wherever the package is installed.
     config = Config()
@@ -344,6 +353,10 @@ def upgrade(engine: Engine, revision: str = "head") -> None:
     Never a downgrade: a ``revision`` older than the database's is an ArchiveError, where
     Alembic would do nothing and the caller would report success.
     """
+    from alembic import command
+    from alembic.script import ScriptDirectory
+    from alembic.util import CommandError
+
     script = ScriptDirectory.from_config(_alembic_config())
     known = [s.revision for s in script.walk_revisions()]  # newest first; the history is linear
     try:
@@ -357,7 +370,7 @@ def upgrade(engine: Engine, revision: str = "head") -> None:
     target = found.revision
     try:
         with engine.begin() as connection:
-            current = MigrationContext.configure(connection).get_current_revision()
+            current = _revision(connection)
             if current is not None and current not in known:
                 raise ArchiveError(
                     f"database {describe(engine)} is at revision {current}, which this sustain "
@@ -385,11 +398,13 @@ def current_revision(engine: Engine) -> str | None:
     """The revision the database is at; None for a database that was never migrated."""
     try:
         with engine.connect() as connection:
-            return MigrationContext.configure(connection).get_current_revision()
+            return _revision(connection)
     except SQLAlchemyError as exc:
         raise ArchiveUnavailable(str(archive_error("read database", engine, exc))) from exc
 
 
 def head_revision() -> str | None:
     """The newest revision this version of the agent ships, to compare with ``current_revision``."""
+    from alembic.script import ScriptDirectory
+
     return ScriptDirectory.from_config(_alembic_config()).get_current_head()

@@ -19,12 +19,9 @@ from sqlalchemy import Engine
 
 from agent.archive.database import ArchiveError
 from agent.archive.stack_snapshots import StackNotFound, find, history
-from agent.probes.runner import ProbeRunner
 from agent.reports import capacity, capacity_output
 from agent.reports.capacity import parse_since
 from agent.reports.runs import RunFilter, RunLine, recent_runs
-from agent.stack.tracker import torch_facts_from_child
-from collectors.nvml.library import NvmlLibrary
 from collectors.stack import StackSnapshot, capture, describe_diff, diff, flatten
 
 
@@ -66,6 +63,12 @@ def stack_show(engine: Engine | None, reference: str | None, as_json: bool) -> s
 
 
 def _capture_here() -> StackSnapshot:
+    # Imported here: the probe runner, the stack tracker and NVML are what `stack show` needs to
+    # read this machine; `capacity`, `runs` and `drift` start sooner without them.
+    from agent.probes.runner import ProbeRunner
+    from agent.stack.tracker import torch_facts_from_child
+    from collectors.nvml.library import NvmlLibrary
+
     nvml = NvmlLibrary()
     try:
         return capture(torch_facts=torch_facts_from_child(ProbeRunner().python), nvml=nvml)
