@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sqlite3
 import subprocess
 import sys
@@ -311,3 +312,27 @@ def test_workloads_list_is_a_table_for_a_person_and_json_for_the_agent(tmp_path:
     done = _into_closed_pipe(["list", "--device", "cpu"], tmp_path, module="workloads")
     assert "Traceback" not in done.stderr, done.stderr
     assert done.returncode == 141
+
+
+def test_analyze_words_its_figures_as_probe_does_and_says_each_thing_once(tmp_path: Path) -> None:
+    """A slowdown at iteration 300 of 600: four significant digits, "99% interval", the
+    sustained ratio as probe states it, and "steady from iteration 300" once (it was twice)."""
+    import random
+
+    rng = random.Random(2)
+    series = tmp_path / "slowdown.csv"
+    series.write_text(
+        "".join(
+            f"{(0.010 if i < 300 else 0.0125) * (1 + rng.gauss(0, 0.005))}\n" for i in range(600)
+        )
+    )
+    done = _sustain("analyze", str(series))
+    assert done.returncode == 0, done.stderr
+    text = done.stdout
+    assert text.startswith("slowdown (600 iterations)\n"), text
+    assert "99% interval" in text
+    assert "CI" not in text
+    assert re.search(r"^sustained 0\.\d{3} of peak \(steady / peak\)$", text, re.M), text
+    assert text.count("steady from iteration 300") == 1, text
+    for number in re.findall(r"\d+\.\d+", text.split("\n", 1)[1]):
+        assert len(number.replace(".", "").lstrip("0")) <= 4, (number, text)
