@@ -336,3 +336,12 @@ def test_analyze_words_its_figures_as_probe_does_and_says_each_thing_once(tmp_pa
     assert text.count("steady from iteration 300") == 1, text
     for number in re.findall(r"\d+\.\d+", text.split("\n", 1)[1]):
         assert len(number.replace(".", "").lstrip("0")) <= 4, (number, text)
+
+
+def test_the_fleet_report_counts_in_words_that_agree_with_the_number() -> None:
+    """ "1 analysed results from 1 devices" was the report's line for a one-run archive."""
+    from agent.plots import fleet_page
+
+    assert fleet_page._counted(1, "analysed result") == "1 analysed result"
+    assert fleet_page._counted(0, "device") == "0 devices"
+    assert fleet_page._counted(2, "node") == "2 nodes"

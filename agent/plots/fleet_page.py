@@ -58,7 +58,8 @@ def render(data: FleetData, outliers: Sequence[Outlier], outlier_ratio: float) -
         "<h1>The fleet's sustained capacity</h1>",
         f'<p class="lead" id="period">{_e(period)}; generated '
         f"{data.generated_at:%Y-%m-%d %H:%M} UTC by sustain report fleet. "
-        f"{data.results} analysed results from {data.devices} devices on {data.nodes} nodes.</p>",
+        f"{_counted(data.results, 'analysed result')} from {_counted(data.devices, 'device')} "
+        f"on {_counted(data.nodes, 'node')}.</p>",
         f'<p class="lead" id="runs">{_e(runs_used(data.runs))}</p>',
     ]
     if data.empty:
@@ -422,3 +423,8 @@ def _methods(data: FleetData) -> list[str]:
         )
     parts.append("</section>")
     return parts
+
+
+def _counted(count: int, noun: str) -> str:
+    """``1 device``, ``2 devices``."""
+    return f"{count} {noun}{'' if count == 1 else 's'}"
