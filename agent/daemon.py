@@ -256,6 +256,7 @@ class Agent:
             loops=lambda: self.loop_statuses(),  # noqa: PLW0108 - the loops come later
             pci_gpus=pci_gpus(self.settings.host.sysfs) if self.settings.nvml.enabled else (),
             known=lambda: records.known_devices(self._engine, node),
+            recorded=lambda: records.last_states(self._engine, node),
         )
 
     def _open_archive(

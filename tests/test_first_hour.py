@@ -345,3 +345,26 @@ def test_the_fleet_report_counts_in_words_that_agree_with_the_number() -> None:
     assert fleet_page._counted(1, "analysed result") == "1 analysed result"
     assert fleet_page._counted(0, "device") == "0 devices"
     assert fleet_page._counted(2, "node") == "2 nodes"
+
+
+def test_a_restart_that_finds_the_verdict_it_recorded_records_no_change() -> None:
+    """Every agent restart added "CPU: unknown -> healthy" to the report's timeline. Where the
+    archive's last verdict for a device is the one the restarted agent reaches, nothing is
+    recorded; a different one is recorded, from what it was."""
+    from test_health_failsafe import Clock, _host, _monitor
+
+    clock = Clock()
+    monitor, events = _monitor(clock, recorded=lambda: {"host": ("healthy", ())})
+    monitor.restore([], {})
+    monitor.record(_host(clock()))
+    assert [event.message for event in events] == []
+    assert [v.state for v in monitor.verdicts() if v.name == "CPU"] == ["healthy"]
+
+    monitor, events = _monitor(clock, recorded=lambda: {"host": ("degraded", ("x",))})
+    monitor.restore([], {})
+    monitor.record(_host(clock()))
+    assert [event.message for event in events] == ["CPU: degraded -> healthy"]
+
+    monitor, events = _monitor(clock)  # no archive read: the first verdict is news
+    monitor.record(_host(clock()))
+    assert [event.message for event in events] == ["CPU: unknown -> healthy"]

@@ -126,12 +126,13 @@ class HealthMonitor:
         loops: Callable[[], Sequence[LoopStatus]] | None = None,
         pci_gpus: Sequence[str] = (),
         known: Callable[[], Iterable[tuple[str, str, str, str]]] | None = None,
+        recorded: Callable[[], Mapping[str, tuple[str, tuple[str, ...]]]] | None = None,
     ) -> None:
         """``emit`` takes the health_change events; ``baseline`` answers the peers' medians
         (the archive); ``couplings`` the scheduler's latest coupling ratios; ``loops`` the
         sampler loops' status (stalled, NVML absent or failing); ``pci_gpus`` the NVIDIA GPUs
         on the PCI bus (their addresses); ``known`` the devices the archive has verdicts for,
-        read by ``restore``."""
+        and ``recorded`` their last recorded state and reasons, both read by ``restore``."""
         self.settings = settings
         self._emit = emit
         self._baseline = baseline
@@ -143,6 +144,8 @@ class HealthMonitor:
         self._baseline_failed = False
         self._loops = loops
         self._known = known
+        self._recorded = recorded
+        self._last_recorded: dict[str, tuple[str, tuple[str, ...]]] = {}
         self._pci_gpus = tuple(pci_gpus)
         self._swept = -math.inf
         self._started = clock()
@@ -256,6 +259,14 @@ class HealthMonitor:
                 self.remember(self._known())
             except Exception as exc:  # noqa: BLE001 - an archive fault costs the remembered set
                 log.warning("health: cannot read the devices this node had: %s", exc)
+        if self._recorded is not None:
+            try:
+                last = dict(self._recorded())
+            except Exception as exc:  # noqa: BLE001 - a restart is then recorded as news
+                log.warning("health: cannot read the verdicts last recorded: %s", exc)
+                last = {}
+            with self._lock:
+                self._last_recorded = last
         with self._lock:
             for uuid, timestamp, xid in xids:
                 self._xid(Event("xid", uuid, timestamp, "", (("xid", str(xid)),)))
@@ -633,10 +644,14 @@ class HealthMonitor:
         current = (verdict.state, tuple(f.reason for f in verdict.findings))
         if current == device.published:
             return []
-        if device.key == NODE and device.published is None and not verdict.findings:
-            device.published = current  # the node's pseudo-device is recorded once it has news
+        if device.published is None and (
+            (device.key == NODE and not verdict.findings)  # recorded once it has news
+            or self._last_recorded.get(device.key) == current  # as recorded before a restart
+        ):
+            device.published = current
             return []
-        previous = "unknown" if device.published is None else device.published[0]
+        before = device.published or self._last_recorded.get(device.key)  # as last recorded
+        previous = "unknown" if before is None else before[0]
         device.published = current
         because = "; ".join(f"{f.reason}: {f.evidence}" for f in verdict.findings)
         log_level = logging.INFO if verdict.state == "healthy" else logging.WARNING

@@ -307,6 +307,15 @@ def recorded(engine: Engine, node: str) -> dict[str, Recorded]:
     return found
 
 
+def last_states(engine: Engine, node: str) -> dict[str, tuple[str, tuple[str, ...]]]:
+    """The state and reasons of each device's last recorded verdict, by device key: a restarted
+    agent that finds the same records no change (a restart is no news for the timeline)."""
+    return {
+        key: (r.state, tuple(str(f.get("reason", "")) for f in r.findings))
+        for key, r in recorded(engine, node).items()
+    }
+
+
 def known_devices(engine: Engine, node: str) -> list[tuple[str, str, str, str]]:
     """Every device ``node`` has had a verdict for: (key, label, uuid, name), from its last
     recorded verdict."""
