@@ -368,3 +368,30 @@ def test_a_restart_that_finds_the_verdict_it_recorded_records_no_change() -> Non
     monitor, events = _monitor(clock)  # no archive read: the first verdict is news
     monitor.record(_host(clock()))
     assert [event.message for event in events] == ["CPU: unknown -> healthy"]
+
+
+def test_a_probe_queued_when_the_agent_stops_is_not_recorded_as_aborted(tmp_path: Path) -> None:
+    """SIGTERM while a probe waited for its device (another run held it): it never started, so
+    it was no aborted run; nothing is recorded and no child is started."""
+    import threading
+
+    from test_probes import OK, SPEC, archived, child, make_scheduler
+
+    from agent.archive.database import open_engine, upgrade
+
+    engine = open_engine(f"sqlite:///{tmp_path / 'archive.db'}")
+    upgrade(engine)
+    scheduler = make_scheduler(engine, duty_cycle=1.0, busy_cpu_utilization=1.0)
+    lock = scheduler._device_lock(SPEC.device.gpu)
+    lock.acquire()  # another run holds the CPU
+    outcome: list[str] = []
+    queued = threading.Thread(
+        target=lambda: outcome.append(scheduler.run_one(SPEC, command=child(OK)).outcome)
+    )
+    queued.start()
+    scheduler.stop()  # the agent is told to stop while the probe waits
+    lock.release()
+    queued.join(30)
+    assert outcome == ["skipped"]
+    assert archived(engine) == []
+    engine.dispose()

@@ -47,7 +47,7 @@ from agent.probes.node import (
 )
 from agent.probes.preemption import CpuWatch, GpuWatch
 from agent.probes.protocol import Iteration
-from agent.probes.retry import SkippedRetry, SkipReason, skip_kind
+from agent.probes.skips import SkippedRetry, SkipReason, mig_busy, skip_kind
 from agent.probes.runner import (
     CPU,
     ProbeDevice,
@@ -208,7 +208,7 @@ class ProbeScheduler:
             )
 
     def run_entry(self, entry: ProbePlanEntry, job_id: str | None = None) -> list[ProbeRun]:
-        """One round of a plan entry (job ``job_id``), its skips tried again (probes.retry)."""
+        """One round of a plan entry (job ``job_id``), its skips tried again (probes.skips)."""
         runs = self._round(entry)
         if self._retry is not None:
             self._retry.after_round(entry, runs, job_id)
@@ -425,6 +425,8 @@ class ProbeScheduler:
         with contextlib.ExitStack() as locks:
             for key in sorted({member.gpu for member in spec.device.members} or {spec.device.gpu}):
                 locks.enter_context(self._device_lock(key))
+            if self._stopping.is_set():  # queued behind a run when told to stop: never started
+                return skipped(spec, "the agent stopped before the run started"), None
             ended = self._ended_before_start(spec, force)
             if ended is not None:
                 log.info("probe %s %s: %s", spec.name, ended.outcome, ended.reason)
@@ -530,7 +532,11 @@ class ProbeScheduler:
             reasons = (self.skip_reason(replace(spec, device=m)) for m in device.members)
             return next((reason for reason in reasons if reason is not None), None)
         if device.kind == "cuda":
-            busy_gpu = self._mig_busy(device) if device.parent else self._gpu_busy(device, now)
+            busy_gpu = (
+                mig_busy(self._store.latest(), device, self.settings.skip_foreign_processes)
+                if device.parent
+                else self._gpu_busy(device, now)
+            )
             held = self.occupants(device.key) if busy_gpu and self.occupants else ""
             # Who held it goes into the skip's reason in the archive: "which job kept the probe
             # off GPU 3" has an answer later.
@@ -561,48 +567,6 @@ class ProbeScheduler:
                 f"GPU {device.label} busy: mean utilization {busy:.0%} over the last minute "
                 f"(threshold {self.settings.busy_gpu_utilization:.0%})",
                 "gpu_busy",
-            )
-        return None
-
-    def _mig_busy(self, device: ProbeDevice) -> SkipReason | None:
-        """A MIG GPU is busy when any of its MIG devices has work: its utilization reads N/A,
-        so the processes decide, on the GPU's list or, where NVML refuses that one, the
-        instances' lists. When neither can be read, whether it is busy cannot be told: skipped,
-        saying so, rather than probed blindly."""
-        if not self.settings.skip_foreign_processes:
-            return None
-        gpu = device.gpu
-        whole: float | None = None
-        instances: dict[str, float | None] = {}
-        for sample in self._store.latest():
-            for reading in sample.readings:
-                labels = dict(reading.labels)
-                if sample.device == gpu and reading.field == "gpu_foreign_compute_processes":
-                    whole = reading.value
-                elif reading.field == "gpu_mig_info" and labels.get("parent") == gpu:
-                    instances.setdefault(labels["mig_instance"], None)
-                elif reading.field == "gpu_mig_foreign_compute_processes" and (
-                    labels.get("parent") == gpu
-                ):
-                    instances[labels["mig_instance"]] = reading.value
-        busy = {gi: int(count) for gi, count in sorted(instances.items()) if count}
-        if busy:
-            where = ", ".join(f"{count} on MIG {gi}" for gi, count in busy.items())
-            return SkipReason(
-                f"{sum(busy.values())} foreign compute process(es) on GPU {device.label} "
-                f"(MIG mode: {where})",
-                "foreign_processes",
-            )
-        if whole:
-            return SkipReason(
-                f"{int(whole)} foreign compute process(es) on GPU {device.label} (MIG mode)",
-                "foreign_processes",
-            )
-        if whole is None and (not instances or None in instances.values()):
-            return SkipReason(
-                f"GPU {device.label} is in MIG mode, where utilization reads N/A, and NVML "
-                "refused its process lists: whether it is busy cannot be told",
-                "mig_unknown",
             )
         return None
 

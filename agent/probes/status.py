@@ -53,5 +53,5 @@ class ProbeStatus:
     # The latest solo run of each probe, with its own result or none (``results`` keeps the
     # latest analysed one, which the gauges hold until the next).
     latest: dict[ProbeKey, LatestRun] = field(default_factory=dict)
-    # Skipped runs by why (ProbeKey + the kind of agent.probes.retry.SkipReason).
+    # Skipped runs by why (ProbeKey + the kind of agent.probes.skips.SkipReason).
     skips: dict[tuple[str, str, str, str, str, str], int] = field(default_factory=dict)

@@ -1,4 +1,5 @@
-"""Skipped runs tried again soon, so that a busy start does not cost an hour.
+"""Skipped runs: why (classed for the skip metric) and tried again soon, so that a busy start
+does not cost an hour.
 
 A plan entry runs once an interval (an hour by default). Where its round finds a device busy (a
 foreign process, a busy CPU, the duty cycle spent), the run is skipped, and without a retry the
@@ -8,7 +9,8 @@ by default), then after twice as long each time, for as long as the try comes be
 next scheduled round (which takes over from there). A retry passes the same checks as any run (a
 busy device, the duty-cycle budget): it only comes sooner.
 
-Why a run was skipped is classed for ``sustain_probe_skips_total{reason}`` by ``SkipReason``.
+Why a run was skipped is classed for ``sustain_probe_skips_total{reason}`` by ``SkipReason``;
+``mig_busy`` says why a MIG GPU is busy (or cannot be told to be idle).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from datetime import UTC, datetime
 from typing import Literal
 
@@ -25,7 +27,8 @@ from apscheduler.schedulers.base import BaseScheduler
 from apscheduler.triggers.date import DateTrigger
 
 from agent.config.settings import ProbePlanEntry
-from agent.probes.runner import ProbeRun, ProbeSpec
+from agent.probes.runner import ProbeDevice, ProbeRun, ProbeSpec
+from collectors.base import Sample
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +57,51 @@ class SkipReason(str):
 def skip_kind(reason: str) -> str:
     """The class of a skipped run's reason; "other" for a reason given as plain words."""
     return reason.kind if isinstance(reason, SkipReason) else "other"
+
+
+def mig_busy(
+    latest: Iterable[Sample], device: ProbeDevice, skip_foreign_processes: bool
+) -> SkipReason | None:
+    """A MIG GPU is busy when any of its MIG devices has work: its utilization reads N/A,
+    so the processes decide, on the GPU's list or, where NVML refuses that one, the
+    instances' lists. When neither can be read, whether it is busy cannot be told: skipped,
+    saying so, rather than probed blindly."""
+    if not skip_foreign_processes:
+        return None
+    gpu = device.gpu
+    whole: float | None = None
+    instances: dict[str, float | None] = {}
+    for sample in latest:
+        for reading in sample.readings:
+            labels = dict(reading.labels)
+            if sample.device == gpu and reading.field == "gpu_foreign_compute_processes":
+                whole = reading.value
+            elif reading.field == "gpu_mig_info" and labels.get("parent") == gpu:
+                instances.setdefault(labels["mig_instance"], None)
+            elif reading.field == "gpu_mig_foreign_compute_processes" and (
+                labels.get("parent") == gpu
+            ):
+                instances[labels["mig_instance"]] = reading.value
+    busy = {gi: int(count) for gi, count in sorted(instances.items()) if count}
+    if busy:
+        where = ", ".join(f"{count} on MIG {gi}" for gi, count in busy.items())
+        return SkipReason(
+            f"{sum(busy.values())} foreign compute process(es) on GPU {device.label} "
+            f"(MIG mode: {where})",
+            "foreign_processes",
+        )
+    if whole:
+        return SkipReason(
+            f"{int(whole)} foreign compute process(es) on GPU {device.label} (MIG mode)",
+            "foreign_processes",
+        )
+    if whole is None and (not instances or None in instances.values()):
+        return SkipReason(
+            f"GPU {device.label} is in MIG mode, where utilization reads N/A, and NVML "
+            "refused its process lists: whether it is busy cannot be told",
+            "mig_unknown",
+        )
+    return None
 
 
 class SkippedRetry:
