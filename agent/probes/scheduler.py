@@ -47,7 +47,6 @@ from agent.probes.node import (
 )
 from agent.probes.preemption import CpuWatch, GpuWatch
 from agent.probes.protocol import Iteration
-from agent.probes.skips import SkippedRetry, SkipReason, mig_busy, skip_kind
 from agent.probes.runner import (
     CPU,
     ProbeDevice,
@@ -58,6 +57,7 @@ from agent.probes.runner import (
     skipped,
     unsupported,
 )
+from agent.probes.skips import SkippedRetry, SkipReason, mig_busy, skip_kind
 from agent.probes.status import LatestRun, ProbeKey, ProbeResult, ProbeStatus
 from agent.telemetry.sampler import SamplerLoop
 from agent.telemetry.store import TelemetryStore
