@@ -395,3 +395,45 @@ def test_a_probe_queued_when_the_agent_stops_is_not_recorded_as_aborted(tmp_path
     assert outcome == ["skipped"]
     assert archived(engine) == []
     engine.dispose()
+
+
+def test_a_run_plot_without_a_steady_state_draws_its_p10_and_p50_and_the_note_clears_the_axis(
+    tmp_path: Path,
+) -> None:
+    """A run that never settled had no line on its plot for what it delivered; the telemetry
+    note at the foot of a PNG overlapped the x-axis label."""
+    from agent.plots import canvas
+    from agent.plots.run_figure import draw
+    from agent.plots.run_series import RunPlot
+
+    times = tuple(0.1 * i for i in range(1, 101))
+    plot = RunPlot(
+        title="matmul fp32 eager on node-a cpu",
+        unit="FLOP/s",
+        times=times,
+        throughput=tuple(1e11 * (1 + 0.003 * i) for i in range(100)),
+        outliers=(),
+        window_times=tuple(0.5 + i for i in range(10)),
+        window_throughput=tuple(1e11 * (1 + 0.03 * i) for i in range(10)),
+        changepoints=(),
+        steady_start=None,
+        peak=1.3e11,
+        steady=None,
+        steady_ci=None,
+        classification="no_steady_state",
+        reason="a steady drift",
+        note="telemetry: the CPU's frequency from /sys, package power from RAPL",
+        p10=1.02e11,
+        p50=1.14e11,
+    )
+    figure = draw(plot)
+    figure.canvas.draw()
+    renderer = figure.canvas.get_renderer()  # type: ignore[attr-defined]
+    axis_label = figure.axes[-1].xaxis.label.get_window_extent(renderer)
+    supxlabel = getattr(figure, "_supxlabel", None)  # matplotlib keeps it there
+    note = next(t for t in [*figure.texts, supxlabel] if t and t.get_text() == plot.note)
+    assert not note.get_window_extent(renderer).overlaps(axis_label)
+    svg = canvas.inline_svg(figure)
+    assert 'id="p10"' in svg
+    assert 'id="p50"' in svg
+    assert "p10 of 1 s windows" in svg

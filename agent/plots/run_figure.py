@@ -6,6 +6,7 @@ a CPU: its frequency and package power).
 
 Every element a reader (or a test) looks for carries an id in the SVG: ``throughput``,
 ``windows``, ``changepoint-0``.., ``warmup``, ``peak``, ``steady``, ``steady-band``, ``outliers``,
+``p10`` and ``p50`` (a run with no steady state),
 ``panel-<quantity>`` for each panel and ``reason-<name>`` in ``panel-reasons``.
 """
 
@@ -61,8 +62,8 @@ def draw(plot: RunPlot) -> Figure:
     if timeline:
         _reasons(column[-1], plot)
     column[-1].set_xlabel("seconds from the first iteration")
-    if plot.note:
-        figure.text(0.01, 0.003, plot.note, fontsize=7, color="0.35", ha="left", va="bottom")
+    if plot.note:  # under the axis label: the layout makes room for it (a figure.text overlapped)
+        figure.supxlabel(plot.note, x=0.01, ha="left", fontsize=7, color="0.35")
     return figure
 
 
@@ -147,6 +148,13 @@ def _throughput(ax: Axes, plot: RunPlot) -> None:
             gid="steady",
             label="steady",
         )
+    if plot.steady is None:  # no steady state: its windows' p10 and p50 stand for it
+        for name, value, style in (("p10", plot.p10, ":"), ("p50", plot.p50, "-.")):
+            if value is not None:
+                ax.axhline(
+                    value / factor, color="#8c564b", ls=style, lw=1.2, gid=name,
+                    label=f"{name} of 1 s windows",
+                )  # fmt: skip
     ax.set_ylabel(f"throughput ({unit})")
     ax.set_title(_verdict(plot, factor, unit), fontsize=9, loc="left")
     # Out of the data's way: a slowdown ends low, so the top right is free; else the bottom.
@@ -164,7 +172,9 @@ def _verdict(plot: RunPlot, factor: float, unit: str) -> str:
     if plot.peak is not None:
         parts.append(f"peak {plot.peak / factor:.4g} {unit}")
     if plot.steady is not None and plot.peak:
-        parts.append(f"sustained {plot.steady / plot.peak:.1%} of peak")
+        parts.append(f"sustained {plot.steady / plot.peak:.3f} of peak")
+    if plot.steady is None and plot.p10 is not None:
+        parts.append(f"p10 {plot.p10 / factor:.4g} {unit}")
     text = ", ".join(parts)
     return f"{text}\n{plot.reason}" if plot.reason else text
 

@@ -58,6 +58,9 @@ class RunPlot:
     reasons_note: str = ""  # why there is no timeline of clock-event reasons
     reasons_panel: bool = True  # a CPU has no clock-event reasons: no timeline at all
     note: str = ""  # where the telemetry comes from
+    # A run with no steady state: what its one-second windows delivered at worst and typically.
+    p10: float | None = None
+    p50: float | None = None
 
 
 def build(
@@ -95,6 +98,8 @@ def build(
         steady_ci=None if ci is None else (float(ci[0]), float(ci[1])),
         classification=str(figures.get("classification") or "not analysed"),
         reason=str(figures.get("reason") or ""),
+        p10=_number(figures.get("p10_throughput")),
+        p50=_number(figures.get("p50_throughput")),
     )
 
 
