@@ -437,3 +437,39 @@ def test_a_run_plot_without_a_steady_state_draws_its_p10_and_p50_and_the_note_cl
     assert 'id="p10"' in svg
     assert 'id="p50"' in svg
     assert "p10 of 1 s windows" in svg
+
+
+def test_a_command_that_takes_over_a_second_shows_it_is_working_on_a_terminal(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Reading the archive or this machine's stack, drawing a report: on a terminal a spinner
+    says what is being done once a second has gone by; a quicker answer, or one into a pipe
+    (a script), gets nothing added."""
+    import io
+    import time
+
+    from agent.cli.progress import working
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    terminal = Terminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    with working("reading the archive", after_seconds=0.2):
+        time.sleep(1.0)
+    assert "reading the archive ..." in terminal.getvalue()
+    quick = Terminal()
+    monkeypatch.setattr(sys, "stderr", quick)
+    with working("reading the archive", after_seconds=5.0):
+        pass
+    assert quick.getvalue() == ""
+    piped = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", piped)
+    with working("reading the archive", after_seconds=0.0):
+        time.sleep(0.3)
+    assert piped.getvalue() == ""
+    monkeypatch.undo()
+    done = _sustain("stack", "show")  # seconds (a torch child), into a pipe: no spinner
+    assert done.returncode == 0, done.stderr
+    assert "reading" not in done.stderr

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 from agent import __version__
 from agent.cli.pipes import closed_pipe
+from agent.cli.progress import working
 from agent.cli.runs_command import add_runs_command
 from agent.config.names import OPTIMIZATIONS
 
@@ -271,7 +272,9 @@ def _fleet(args: argparse.Namespace, action: Callable[[Any], str], archive: bool
 
     engine = _open_archive(args) if archive else None
     try:
-        fleet_command.emit(action(engine))
+        with working("reading the archive" if archive else "reading this machine's stack"):
+            text = action(engine)
+        fleet_command.emit(text)
     except (fleet_command.FleetUsageError, ArchiveError) as exc:
         raise UsageError(str(exc)) from None
     finally:

@@ -15,6 +15,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from agent.cli.progress import working
 from agent.plots.canvas import PlotError, PlotsUnavailable, check_available, check_path
 
 if TYPE_CHECKING:
@@ -88,9 +89,11 @@ def run(args: argparse.Namespace, open_archive: Callable[[], Any], settings: Set
     engine = open_archive()
     try:
         if args.report_command == "run":
-            written = _run_plot(engine, args.run_id, output)
+            with working("drawing the run"):
+                written = _run_plot(engine, args.run_id, output)
         else:
-            written = _fleet(engine, since, args.output, settings)
+            with working("reading the archive and drawing the report"):
+                written = _fleet(engine, since, args.output, settings)
     except ArchiveError as exc:
         raise ReportError(str(exc)) from None
     finally:
