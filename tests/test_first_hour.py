@@ -99,6 +99,7 @@ def test_a_closed_pipe_ends_quietly_with_the_status_of_sigpipe(
     assert done.returncode == 141, (done.returncode, done.stderr)
 
 
+@pytest.mark.slow  # probe or torch children end to end (left out of the quick tier)
 def test_a_probe_into_a_closed_pipe_is_archived_still(tmp_path: Path) -> None:
     """`sustain probe --record | head`: the output is lost with the reader, never the run."""
     database = tmp_path / "sustain.db"
@@ -282,6 +283,7 @@ def test_sustain_runs_lists_the_latest_runs_with_the_ids_report_run_takes(tmp_pa
     assert done.stderr.count("\n") == 1, done.stderr
 
 
+@pytest.mark.slow  # probe or torch children end to end (left out of the quick tier)
 def test_workloads_list_is_a_table_for_a_person_and_json_for_the_agent(tmp_path: Path) -> None:
     from workloads.catalog import WORKLOADS
 

@@ -217,6 +217,7 @@ def test_the_daemon_plans_from_nvml_and_touches_no_busy_gpu(
     assert [child["gpus"] for child in children if child["gpus"]] == [GPU1], children
 
 
+@pytest.mark.slow  # probe or torch children end to end (left out of the quick tier)
 def test_a_skipped_run_is_tried_again_soon_until_it_runs(
     scenario: Scenario, tmp_path: Path
 ) -> None:
