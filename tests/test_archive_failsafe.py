@@ -16,6 +16,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 from conftest import PrivatePostgres, fetch, free_port, start_agent
@@ -323,29 +324,46 @@ def test_an_agent_started_while_postgresql_is_down_serves_and_archives_once_it_i
             "an empty spool",
             120,
         )
+        # Two periods at least, to check that none is missing between them: the spool's two
+        # items may have been one period and an event (seen on a loaded machine).
+        wait_for(
+            lambda: len(_cpu_periods(_late_rollups(private_postgres.url))) >= 2,
+            "two periods of rollups in the database",
+            120,
+        )
         agent.send_signal(signal.SIGTERM)
         assert agent.wait(timeout=60) == 0
     finally:
         if agent.poll() is None:
             agent.kill()
         log.close()
-    checker = create_engine(private_postgres.url)
-    try:
-        with checker.connect() as connection:
-            rows = connection.execute(
-                text(
-                    "SELECT device, field, labels, period_start FROM telemetry_rollups "
-                    "WHERE node = 'late-node'"
-                )
-            ).all()
-    finally:
-        checker.dispose()
+    rows = _late_rollups(private_postgres.url)
     assert rows
     assert len(rows) == len(set(rows))  # none doubled
-    periods = sorted({row[3] for row in rows if row[1] == "cpu_utilization_ratio"})
+    periods = _cpu_periods(rows)
     assert len(periods) >= 2
     steps = {(b - a).total_seconds() for a, b in itertools.pairwise(periods)}
     assert steps == {2.0}, periods  # none missing between the first and the last
+
+
+def _late_rollups(url: str) -> list[Any]:
+    checker = create_engine(url)
+    try:
+        with checker.connect() as connection:
+            return list(
+                connection.execute(
+                    text(
+                        "SELECT device, field, labels, period_start FROM telemetry_rollups "
+                        "WHERE node = 'late-node'"
+                    )
+                ).all()
+            )
+    finally:
+        checker.dispose()
+
+
+def _cpu_periods(rows: list[Any]) -> list[Any]:
+    return sorted({row[3] for row in rows if row[1] == "cpu_utilization_ratio"})
 
 
 @pytest.mark.slow
