@@ -496,7 +496,8 @@ def _show(
                 )
             )
             if request.record and recorded:
-                print(f"\narchived {len(results)} run(s) in {redact_url(settings.database_url)}")
+                runs = f"{len(results)} run{'' if len(results) == 1 else 's'}"
+                print(f"\narchived {runs} in {redact_url(settings.database_url)}")
         sys.stdout.flush()
     except BrokenPipeError:  # `sustain probe | head`: the runs are archived and plotted still
         return closed_pipe()
