@@ -21,6 +21,7 @@ from conftest import cpu_wrapper, wrapped_runs
 from test_bounded_runs import iteration_capped_python
 
 from agent.config import settings as config
+from workloads.progress import AFTER_SECONDS
 
 ROOT = Path(__file__).resolve().parent.parent
 HEADING_END = ("OUTCOME", "FIGURE", "OR", "WHY")  # of `sustain runs`
@@ -297,8 +298,17 @@ def test_workloads_list_is_a_table_for_a_person_and_json_for_the_agent(tmp_path:
             check=False,
         )
 
-    table = workloads()
+    table, terminal, seconds = _on_a_terminal(
+        [sys.executable, "-m", "workloads", "list", "--device", "cpu"]
+    )
+    # Standard error on a terminal: a spinner once a second has gone by (torch's import and
+    # the device's checks take seconds here); a table any quicker gets none.
+    if seconds > 2 * AFTER_SECONDS:
+        assert "describing the workloads on this device ..." in terminal, terminal
+    elif seconds < AFTER_SECONDS:
+        assert terminal == "", terminal
     assert table.returncode == 0, table.stderr
+    assert "\x1b" not in table.stdout  # the table itself is plain text
     lines = table.stdout.splitlines()
     assert lines[0] == "device cpu"
     assert lines[1].split() == ["WORKLOAD", "UNIT", "PRECISIONS", "OPTIMIZATIONS"]
@@ -314,6 +324,41 @@ def test_workloads_list_is_a_table_for_a_person_and_json_for_the_agent(tmp_path:
     done = _into_closed_pipe(["list", "--device", "cpu"], tmp_path, module="workloads")
     assert "Traceback" not in done.stderr, done.stderr
     assert done.returncode == 141
+
+
+def _on_a_terminal(command: list[str]) -> tuple[subprocess.CompletedProcess[str], str, float]:
+    """``command`` with standard output into a pipe and standard error on a pseudo-terminal:
+    (the finished process, what the terminal got, the seconds it took)."""
+    import pty
+    import threading
+    import time
+
+    master, slave = pty.openpty()
+    got: list[bytes] = []
+
+    def read() -> None:  # all along: a full terminal buffer would stop the child
+        while True:
+            try:
+                chunk = os.read(master, 65536)
+            except OSError:  # EIO: the terminal's last writer has gone
+                return
+            if not chunk:
+                return
+            got.append(chunk)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    began = time.monotonic()
+    with subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=slave, text=True, env=_env()
+    ) as child:
+        os.close(slave)
+        stdout, _ = child.communicate(timeout=300)
+    seconds = time.monotonic() - began
+    reader.join(timeout=10)
+    os.close(master)
+    done = subprocess.CompletedProcess(command, child.returncode, stdout, "")
+    return done, b"".join(got).decode(errors="replace"), seconds
 
 
 def test_analyze_words_its_figures_as_probe_does_and_says_each_thing_once(tmp_path: Path) -> None:
@@ -450,7 +495,7 @@ def test_a_command_that_takes_over_a_second_shows_it_is_working_on_a_terminal(
     import io
     import time
 
-    from agent.cli.progress import working
+    from workloads.progress import working
 
     class Terminal(io.StringIO):
         def isatty(self) -> bool:

@@ -13,7 +13,7 @@ import argparse
 import math
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
 import torch
@@ -131,14 +131,19 @@ def _parser() -> _Parser:
     return parser
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(
+    argv: Sequence[str] | None = None, *, before_output: Callable[[], None] = lambda: None
+) -> int:
+    """``before_output``: called before the table of ``list`` is printed (a spinner's stop)."""
     parser = _parser()
     args = parser.parse_args(argv)
     if args.command == "run":
         workload = WORKLOADS[args.workload]
         _check_run_arguments(parser, args, workload)
     if args.command == "list" and not args.json:
-        return _print_table(describe_workloads(args.device))
+        listing = describe_workloads(args.device)
+        before_output()
+        return _print_table(listing)
     emitter = Emitter.claim_stdout()
     if args.command == "list":
         emitter.emit(describe_workloads(args.device))

@@ -16,9 +16,9 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 from agent import __version__
 from agent.cli.pipes import closed_pipe
-from agent.cli.progress import working
 from agent.cli.runs_command import add_runs_command
 from agent.config.names import OPTIMIZATIONS
+from workloads.progress import working
 
 if TYPE_CHECKING:  # imported where used: `sustain analyze` needs neither pydantic nor SQLAlchemy
     from agent.config import settings as config

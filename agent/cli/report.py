@@ -15,8 +15,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from agent.cli.progress import working
 from agent.plots.canvas import PlotError, PlotsUnavailable, check_available, check_path
+from workloads.progress import working
 
 if TYPE_CHECKING:
     from agent.analysis.result import SteadyStateResult
