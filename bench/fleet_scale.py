@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/fleet_scale.py [--agents 200] [--minutes 5] [--nodes 10000] [--rollups]
     .venv/bin/python bench/fleet_scale.py --results 10000000 [--keep] [--reuse]
+    .venv/bin/python bench/fleet_scale.py --results 10000000 --keep --readers 50 (or --reuse)
 
 Traffic (the default): --agents writer processes, each one agent with its own node name, its own
 spool file and its own ArchiveSink draining into a fresh database through a private PgBouncer in
@@ -40,6 +41,10 @@ the server with INSERT ... SELECT FROM generate_series, with triggers off
 ANALYZE; then `sustain capacity --by model` (agent.reports.capacity.capacity) and the query of
 `sustain drift` (agent.drift.detect.load_history), best of --repeats each. --keep keeps the
 database, --reuse times a kept one again without loading (and keeps it).
+
+Readers (--readers N, with --keep or --reuse): what every node reads from that database each
+hour, the fleet's pass once, and N nodes' drift child and health baseline reads (bench/
+fleet_readers.py).
 
 Prints a markdown table, and as its last line `RESULT {json}` for bench/run_all.py.
 """
@@ -91,6 +96,7 @@ from fleet_model import (  # noqa: E402  (bench/, this script's folder)
     rates,
     run_agent,
 )
+from fleet_readers import print_readers, readers_run  # noqa: E402
 from fleet_results import print_results, results_run  # noqa: E402
 from pgbouncer_server import PgBouncer, PgBouncerError  # noqa: E402  (tests/ is on the path)
 from run_all import cpu_model, postgres_version  # noqa: E402
@@ -445,7 +451,12 @@ def main() -> int:
         help="--results without the runs' manifest, result and analysis JSON (no query reads them)",
     )
     parser.add_argument("--reuse", action="store_true", help="time a kept --results database")
+    parser.add_argument(
+        "--readers", type=int, help="then time this many nodes' hourly reads (--keep or --reuse)"
+    )
     args = parser.parse_args()
+    if args.readers is not None and not (args.keep or args.reuse):
+        parser.error("--readers reads a kept database: give --keep (or --reuse)")
     memory = psutil.virtual_memory().total / 2**30
     machine = (
         f"{cpu_model()}, {os.cpu_count()} cores, {memory:.1f} GiB; PostgreSQL "
@@ -458,6 +469,10 @@ def main() -> int:
             args.results = args.results or 0
             result = {"mode": "results", "machine": machine, **results_run(args)}
             print_results(result)
+            if args.readers is not None:
+                url = f"{POSTGRES_SERVER}/{result['database']}"
+                result["readers"] = readers_run(url, args.readers, FLEET_NODES)
+                print_readers(result["readers"])
         else:
             result = {"mode": "traffic", "machine": machine, **traffic(args)}
             print_traffic(result)

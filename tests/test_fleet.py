@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 import uuid
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -23,9 +24,11 @@ from conftest import POSTGRES_SERVER
 from sqlalchemy import insert, text
 from test_database_urls import forked_sustain
 
-from agent.archive import summary
+from agent.archive import fleet_baselines, summary
 from agent.archive.database import open_engine, upgrade
 from agent.archive.models import EventRecord, StackSnapshotRecord
+from agent.drift.detect import fleet_outliers, load_history, outliers_by_key
+from agent.health import records
 from collectors.stack import StackSnapshot
 
 # The fleet's archive is built once (a module fixture) and only read: its tests share a worker
@@ -206,6 +209,106 @@ def test_drift_finds_exactly_the_upgrade_and_the_thermal_device(fleet_url: Any) 
         (hot, "fp32"),
     ]
     assert all(o["ratio"] == pytest.approx(0.88, abs=0.015) for o in outliers)
+
+
+def test_every_node_reads_the_fleets_answers_by_key(fleet_url: Any) -> None:
+    """Issue 28: the fleet's pass once, then each node's outliers from a row per group and its
+    own results equal the outliers computed from the whole fleet's history (every field, to
+    the last bit), and so do the health baselines against the peers' rows."""
+    url, _ = fleet_url
+    engine = open_engine(url)
+    end = T0 + timedelta(hours=RESULTS, minutes=NODES)
+    since = T0 - timedelta(hours=1)
+    try:
+        with engine.begin() as connection:
+            written = fleet_baselines.refresh(connection, cutoff=end, since=since)
+        # Per outlier group (model, stack, probe) and health identity (and size): bf16 and fp32
+        # on the old stack and the new.
+        assert written == 4 + 4
+        history = load_history(engine)
+        flagged = []
+        for node in range(NODES):
+            name = f"node-{node:02d}"
+            own = load_history(engine, node=name)
+            assert own == {key: results for key, results in history.items() if key[0] == name}
+            by_key = outliers_by_key(engine, own, 0.10)
+            assert by_key == fleet_outliers(history, 0.10, node=name)
+            assert len(by_key) == DEVICES * len(BASE)
+            flagged += [(o.device, o.precision) for o in by_key if o.outlier]
+        hot = f"GPU-{THERMAL_NODE}-{THERMAL_DEVICE}"
+        assert sorted(flagged) == [(hot, "bf16"), (hot, "fp32")]
+
+        for node, device in ((0, 0), (9, 7), (10, 1), (THERMAL_NODE, THERMAL_DEVICE)):
+            for precision in BASE:
+                for snapshot in (OLD, NEW):
+                    identity = records.ProbeIdentity(
+                        "matmul", precision, "eager", "default", MODEL, snapshot.id
+                    )
+                    args = (identity, f"node-{node:02d}", f"GPU-{node:02d}-{device}")
+                    expected = records.baseline_from_peers(engine, *args, since.timestamp())
+                    assert records.baseline(engine, *args, 0.0) == expected, args
+                    # Every device ran the old stack first; a device that never ran the new
+                    # one is not among its group's members, and has them all as peers.
+                    upgraded = node in UPGRADED
+                    assert expected.peers == (
+                        len(UPGRADED) * DEVICES - upgraded
+                        if snapshot is NEW
+                        else NODES * DEVICES - 1
+                    )
+    finally:
+        engine.dispose()
+
+
+def test_a_nodes_drift_child_makes_the_fleets_pass_once_and_reads_by_key(fleet_url: Any) -> None:
+    """The daemon's child (`python -m agent.drift.detect`) on a fleet's database: the first
+    finds the pass due and makes it, the next finds it fresh; each answers its node's drifts,
+    and outliers equal to those from the whole fleet's history."""
+    url, _ = fleet_url
+    node = f"node-{THERMAL_NODE:02d}"
+    request = {
+        "database_url": url,
+        "node": node,
+        "window": 50,
+        "max_pvalue": 0.001,
+        "min_magnitude": 0.03,
+        "history": 500,
+        "outlier_ratio": 0.10,
+        "interval_seconds": 3600.0,
+        "baseline_days": 7.0,
+    }
+
+    def child() -> dict[str, Any]:
+        done = subprocess.run(
+            [sys.executable, "-m", "agent.drift.detect"],
+            input=json.dumps(request),
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+        assert done.returncode == 0, done.stderr
+        return dict(json.loads(done.stdout))
+
+    def last_pass() -> datetime:
+        with engine.connect() as connection:
+            made = connection.execute(text("SELECT max(cutoff) FROM fleet_baselines")).scalar_one()
+        assert isinstance(made, datetime)
+        return made
+
+    engine = open_engine(url)
+    try:
+        before = datetime.now(UTC)
+        answer = child()
+        made = last_pass()
+        assert made >= before - timedelta(seconds=1)
+        expected = fleet_outliers(load_history(engine), 0.10, node=node)
+        assert answer["outliers"] == json.loads(json.dumps([o.as_dict() for o in expected]))
+        assert sum(o["outlier"] for o in answer["outliers"]) == len(BASE)
+        assert sorted(d["cause"] for d in answer["drifts"]) == ["thermal", "thermal"]
+        assert child()["outliers"] == answer["outliers"]
+        assert last_pass() == made  # fresh: not made again within the period
+    finally:
+        engine.dispose()
 
 
 def test_drift_since_and_node_narrow_the_report(fleet_url: Any) -> None:

@@ -13,7 +13,7 @@ import subprocess
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +26,7 @@ from test_daemon import STARTUP_SECONDS, quick_env
 from test_database_urls import forked_sustain
 from test_probes import FOREIGN, OK, archived, child, make_scheduler
 
+from agent.archive import fleet_baselines
 from agent.archive.database import open_engine, upgrade
 from agent.archive.events import EventWriter
 from agent.archive.models import EventRecord, ProbeRunRecord
@@ -371,6 +372,15 @@ def _seed(engine: Engine, node: str, device: str, steady: float, ended: float) -
         )
 
 
+def _fleet_pass(engine: Engine) -> None:
+    """On PostgreSQL, the fleet's pass a drift child makes once a period (the baselines are
+    read by key from it, agent.archive.fleet_baselines); SQLite reads the peers' rows."""
+    if fleet_baselines.present(engine):
+        now = datetime.now(UTC)
+        with engine.begin() as connection:
+            fleet_baselines.refresh(connection, cutoff=now, since=now - timedelta(days=7))
+
+
 def _run(device: ProbeDevice, outcome: str, steady: float | None, ended: float) -> ProbeRun:
     spec = ProbeSpec("matmul", "bf16", "eager", 20.0, device, size="large")
     return ProbeRun(
@@ -395,6 +405,7 @@ def test_steady_throughput_under_identical_peers_is_degraded_with_their_median(
     now = time.time()
     for peer, steady in (("node-b", 99e12), ("node-c", 100e12), ("node-d", 101e12)):
         _seed(archive_engine, peer, _gpu(0), steady, now - 600)
+    _fleet_pass(archive_engine)
     events: list[Event] = []
     monitor = HealthMonitor(
         HealthSection(),
@@ -436,6 +447,7 @@ def test_two_peers_make_no_baseline(archive_engine: Engine) -> None:
     now = time.time()
     for peer in ("node-b", "node-c"):
         _seed(archive_engine, peer, _gpu(0), 100e12, now - 600)
+    _fleet_pass(archive_engine)
     monitor = HealthMonitor(
         HealthSection(),
         lambda event: None,

@@ -25,7 +25,7 @@ from datetime import UTC, datetime
 
 from sqlalchemy import Connection, text
 
-from agent.archive import summary
+from agent.archive import fleet_baselines, summary
 
 log = logging.getLogger(__name__)
 
@@ -240,8 +240,10 @@ def oldest_kept(connection: Connection, table: str) -> datetime | None:
     return _start(found[0].month) if found else None
 
 
-# Objects that only PostgreSQL has, made by migration 0010 outside the models.
-POSTGRESQL_ONLY = frozenset({*summary.TABLES, *summary.INDEXES, *summary.RANK_INDEXES.values()})
+# Objects that only PostgreSQL has, made by migrations 0010 and 0012 outside the models.
+POSTGRESQL_ONLY = frozenset(
+    {*summary.TABLES, *summary.INDEXES, *summary.RANK_INDEXES.values(), fleet_baselines.TABLE}
+)
 
 
 def include_name(name: str | None, type_: str, parent_names: object) -> bool:

@@ -34,20 +34,21 @@ import sys
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
 
 from sqlalchemy import Engine, select
 from sqlalchemy.exc import SQLAlchemyError
 
 from agent.analysis.edivisive import change_points
+from agent.archive import fleet_baselines
 from agent.archive.database import ArchiveError, archive_error, open_engine
 from agent.archive.models import ProbeRunRecord
 from agent.archive.stack_snapshots import facts_by_id
 from agent.stack.tracker import summary
 from collectors.stack import diff
 
-RECENT = 5
+RECENT = fleet_baselines.RECENT
 MIN_PEERS = 3
 THERMAL_SHARE_STEP = 0.10
 TEMPERATURE_STEP = 5.0
@@ -70,6 +71,7 @@ class Result:
     temperature_celsius: float | None
     thermal_share: float | None
     power_share: float | None
+    row_id: int = 0  # probe_runs.id: whether the fleet's pass saw it (fleet_baselines)
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,6 +148,7 @@ def load_history(
         ProbeRunRecord.steady_temperature_celsius,
         ProbeRunRecord.steady_thermal_share,
         ProbeRunRecord.steady_power_share,
+        ProbeRunRecord.id,
     )
     statement = select(*columns).where(
         ProbeRunRecord.outcome == "ok",
@@ -181,6 +184,7 @@ def load_history(
                         temperature_celsius=row.steady_temperature_celsius,
                         thermal_share=row.steady_thermal_share,
                         power_share=row.steady_power_share,
+                        row_id=row.id,
                     )
                 )
     except SQLAlchemyError as exc:
@@ -360,26 +364,65 @@ def fleet_outliers(
             if node is not None and key[0] != node:
                 continue
             peers = [v for k, _, v in members if k != key]
-            median = statistics.median(peers)
-            share = value / median if median else 1.0
-            found.append(
-                Outlier(
-                    node=key[0],
-                    device=key[1],
-                    device_label=last.device_label,
-                    device_model=last.device_model,
-                    stack_id=last.stack_id,
-                    workload=key[2],
-                    precision=key[3],
-                    optimization=key[4],
-                    value=value,
-                    peer_median=median,
-                    ratio=share,
-                    peers=len(peers),
-                    outlier=share < 1 - ratio,
-                )
-            )
+            found.append(_outlier(key, last, value, statistics.median(peers), len(peers), ratio))
     return sorted(found, key=lambda o: (o.ratio, o.node, o.device, o.workload))
+
+
+def outliers_by_key(
+    engine: Engine, own: dict[SeriesKey, list[Result]], ratio: float = 0.10
+) -> list[Outlier]:
+    """``fleet_outliers(history, ratio, node)`` for one node's series ``own``, from the fleet's
+    baselines (agent.archive.fleet_baselines, PostgreSQL): a row per group of the node's own
+    devices, never the peers' results. Where a series was in its group at the baselines' pass
+    (its results the pass saw), its value then is the one left out of the median."""
+    latest: dict[SeriesKey, tuple[fleet_baselines.GroupKey, list[Result]]] = {}
+    for key, results in own.items():
+        recent = results[-RECENT:]
+        if recent:
+            latest[key] = (_group_key(key, recent[-1]), recent)
+    rows = fleet_baselines.groups(
+        engine, fleet_baselines.OUTLIER, (group for group, _ in latest.values())
+    )
+    found = []
+    for key, (group, recent) in latest.items():
+        row = rows.get(group)
+        if row is None:
+            continue
+        then = [r for r in own[key] if row.saw(r.ended_at, r.row_id)][-RECENT:]
+        member = bool(then) and _group_key(key, then[-1]) == group
+        members = row.members + (0 if member else 1)
+        if members < MIN_PEERS:
+            continue
+        left_out = statistics.median(r.steady for r in then) if member else None
+        median = row.steady.median(left_out) or 0.0
+        value = statistics.median(r.steady for r in recent)
+        found.append(_outlier(key, recent[-1], value, median, members - 1, ratio))
+    return sorted(found, key=lambda o: (o.ratio, o.node, o.device, o.workload))
+
+
+def _outlier(  # noqa: PLR0917
+    key: SeriesKey, last: Result, value: float, median: float, peers: int, ratio: float
+) -> Outlier:
+    share = value / median if median else 1.0
+    return Outlier(
+        node=key[0],
+        device=key[1],
+        device_label=last.device_label,
+        device_model=last.device_model,
+        stack_id=last.stack_id,
+        workload=key[2],
+        precision=key[3],
+        optimization=key[4],
+        value=value,
+        peer_median=median,
+        ratio=share,
+        peers=peers,
+        outlier=share < 1 - ratio,
+    )
+
+
+def _group_key(key: SeriesKey, last: Result) -> fleet_baselines.GroupKey:
+    return (key[2], key[3], key[4], "", last.device_model or "", last.stack_id or "")
 
 
 def since_filter(drifts: Sequence[Drift], since: datetime | None) -> list[Drift]:
@@ -396,8 +439,20 @@ def main() -> int:
         return 2
     try:
         node = request["node"]
-        history = load_history(engine, history=request["history"])
-        own = {key: results for key, results in history.items() if key[0] == node}
+        by_key = fleet_baselines.present(engine)
+        if by_key:
+            # One node's own history, and a row per group of its devices: the fleet's pass is
+            # made by one agent a period (whoever finds it due and takes the lock).
+            fleet_baselines.refresh_if_due(
+                engine,
+                now=datetime.now(UTC),
+                interval_seconds=request.get("interval_seconds", 3600.0),
+                baseline_days=request.get("baseline_days", 7.0),
+            )
+            own = load_history(engine, node=node, history=request["history"])
+        else:  # SQLite: one node's archive, its own fleet
+            history = load_history(engine, history=request["history"])
+            own = {key: results for key, results in history.items() if key[0] == node}
         drifts = detect(
             own,
             stack_facts(engine, (r.stack_id for results in own.values() for r in results)),
@@ -405,7 +460,10 @@ def main() -> int:
             max_pvalue=request["max_pvalue"],
             min_magnitude=request["min_magnitude"],
         )
-        outliers = fleet_outliers(history, request["outlier_ratio"], node=node)
+        if by_key:
+            outliers = outliers_by_key(engine, own, request["outlier_ratio"])
+        else:
+            outliers = fleet_outliers(history, request["outlier_ratio"], node=node)
     except ArchiveError as exc:
         print(exc, file=sys.stderr)
         return 1

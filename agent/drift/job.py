@@ -47,9 +47,18 @@ def series_labels(item: dict[str, Any]) -> tuple[str, ...]:
 
 class DriftJob:
     def __init__(
-        self, settings: DriftSection, database_url: str, node: str, sink: ArchiveSink | None
+        self,
+        settings: DriftSection,
+        database_url: str,
+        node: str,
+        sink: ArchiveSink | None,
+        *,
+        baseline_days: float = 7.0,
     ) -> None:
+        """``baseline_days``: health's fleet baseline period, for the fleet's pass of
+        agent.archive.fleet_baselines that this node's child may be the one to make."""
         self._settings = settings
+        self._baseline_days = baseline_days
         self._url = database_url
         self._node = node
         self._sink = sink
@@ -69,6 +78,8 @@ class DriftJob:
             "min_magnitude": self._settings.min_magnitude,
             "history": self._settings.history,
             "outlier_ratio": self._settings.outlier_ratio,
+            "interval_seconds": self._settings.interval_seconds,
+            "baseline_days": self._baseline_days,
         }
         try:
             completed = subprocess.run(

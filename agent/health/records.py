@@ -14,9 +14,10 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy import Engine, and_, func, select
+from sqlalchemy import ColumnElement, Engine, and_, func, select
 from sqlalchemy.orm import Session
 
+from agent.archive import fleet_baselines
 from agent.archive.models import EventRecord, ProbeRunRecord, TelemetryRollup
 from agent.health.rules import Finding
 
@@ -95,18 +96,24 @@ def baseline(
     engine: Engine, identity: ProbeIdentity, node: str, device: str, since: float
 ) -> Baseline:
     """The medians of the latest ok solo result of every other device with ``identity``
-    (ended after ``since``), on any node of the archive."""
+    (ended after ``since``), on any node of the archive.
+
+    On PostgreSQL (a fleet's database) from the fleet's baselines (agent.archive.fleet_baselines:
+    a row for the identity, and this device's own latest result), whose pass fixes the period:
+    the results that ended between its ``since`` and its ``cutoff``; ``since`` here is unused."""
+    if fleet_baselines.present(engine):
+        return _baseline_by_key(engine, identity, node, device)
+    return baseline_from_peers(engine, identity, node, device, since)
+
+
+def baseline_from_peers(
+    engine: Engine, identity: ProbeIdentity, node: str, device: str, since: float
+) -> Baseline:
+    """``baseline`` from the peers' own rows: a SQLite archive's way (one node), and the
+    answer the fleet's baselines must give."""
     record = ProbeRunRecord
     matching = and_(
-        record.outcome == "ok",
-        record.scope == "device",
-        record.steady_throughput.is_not(None),
-        record.workload == identity.workload,
-        record.precision == identity.precision,
-        record.optimization == identity.optimization,
-        func.coalesce(record.size, "default") == identity.size,
-        record.device_model == identity.model,
-        record.stack_id == identity.stack_id,
+        *_results_of(identity),
         record.ended_at >= _at(since),
         ~and_(record.node == node, record.device == device),
     )
@@ -136,6 +143,60 @@ def baseline(
         steady=statistics.median(steady) if steady else None,
         ratio=statistics.median(ratios) if ratios else None,
         peers=len(rows),
+    )
+
+
+def _results_of(identity: ProbeIdentity) -> list[ColumnElement[bool]]:
+    """The ok solo results with a steady value of ``identity``."""
+    record = ProbeRunRecord
+    return [
+        record.outcome == "ok",
+        record.scope == "device",
+        record.steady_throughput.is_not(None),
+        record.workload == identity.workload,
+        record.precision == identity.precision,
+        record.optimization == identity.optimization,
+        func.coalesce(record.size, "default") == identity.size,
+        record.device_model == identity.model,
+        record.stack_id == identity.stack_id,
+    ]
+
+
+def _baseline_by_key(engine: Engine, identity: ProbeIdentity, node: str, device: str) -> Baseline:
+    key = (
+        identity.workload,
+        identity.precision,
+        identity.optimization,
+        identity.size,
+        identity.model,
+        identity.stack_id,
+    )
+    group = fleet_baselines.groups(engine, fleet_baselines.HEALTH, [key]).get(key)
+    if group is None:
+        return Baseline(steady=None, ratio=None, peers=0)
+    record = ProbeRunRecord
+    since = group.since if group.since is not None else group.cutoff
+    with engine.connect() as connection:
+        own = connection.execute(
+            select(record.steady_throughput, record.sustained_ratio)
+            .where(
+                record.node == node,
+                record.device == device,
+                *_results_of(identity),
+                record.ended_at >= since,
+                record.ended_at <= group.cutoff,
+                record.id <= group.last_id,
+            )
+            .order_by(record.ended_at.desc(), record.id.desc())
+            .limit(1)
+        ).first()
+    if own is None or own[0] is None:  # not among the pass's devices: every member is a peer
+        return Baseline(group.steady.median(), group.ratio.median(), group.members)
+    ratio = None if own[1] is None else float(own[1])
+    return Baseline(
+        steady=group.steady.median(float(own[0])),
+        ratio=group.ratio.median(ratio) if ratio is not None else group.ratio.median(),
+        peers=group.members - 1,
     )
 
 
