@@ -172,9 +172,7 @@ class Agent:
             previous=None if stored is None else (stored.stack_id, stored.facts),
             container_image=settings.stack.container_image,
         )
-        self.drift = DriftJob(
-            settings.drift, url, node, self.sink, baseline_days=settings.health.baseline_days
-        )
+        self.drift = DriftJob(settings.drift, url, node, self.sink, settings.health.baseline_days)
 
         self.capture = TelemetryCapture()
         self.occupancy = Occupancy(settings.occupancy, settings.host.procfs)

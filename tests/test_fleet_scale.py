@@ -19,7 +19,7 @@ from alembic.config import Config
 from conftest import POSTGRES_SERVER
 from sqlalchemy import Connection, Engine, event, text
 
-from agent.archive import partitions, summary
+from agent.archive import fleet_baselines, partitions, summary
 from agent.archive.database import (
     MIGRATIONS,
     current_revision,
@@ -561,18 +561,20 @@ def summary_parts(connection: Connection) -> list[str]:
 
 
 def test_summary_module_names_the_postgresql_only_objects(fleet_engine: Engine) -> None:
-    """What migrations/env.py hides from Alembic is exactly what the summary creates."""
+    """What migrations/env.py hides from Alembic is exactly what the summary and the fleet's
+    baselines (agent.archive.fleet_baselines) create."""
     with fleet_engine.connect() as connection:
         made = set(
             connection.execute(
                 text(
                     "SELECT relname FROM pg_class WHERE relnamespace = 'public'::regnamespace "
-                    "AND relkind IN ('r', 'p', 'i', 'I') AND relname LIKE 'probe_result%' "
-                    "OR relname LIKE 'ix_probe_result%' OR relname LIKE 'ix_probe_runs_rank%'"
+                    "AND relkind IN ('r', 'p', 'i', 'I') AND (relname LIKE 'probe_result%' "
+                    "OR relname LIKE 'ix_probe_result%' OR relname LIKE 'ix_probe_runs_rank%' "
+                    "OR relname LIKE 'fleet_baselines%')"
                 )
             ).scalars()
         )
-    keys = {f"pk_{table}" for table in summary.TABLES}
+    keys = {f"pk_{table}" for table in (*summary.TABLES, fleet_baselines.TABLE)}
     assert made - keys == partitions.POSTGRESQL_ONLY
     assert partitions.is_partition("probe_runs_p202611")
     assert partitions.is_partition("probe_runs_default")

@@ -18,7 +18,6 @@ from agent import __version__
 from agent.cli.pipes import closed_pipe
 from agent.cli.runs_command import add_runs_command
 from agent.config.names import OPTIMIZATIONS
-from workloads.progress import working
 
 if TYPE_CHECKING:  # imported where used: `sustain analyze` needs neither pydantic nor SQLAlchemy
     from agent.config import settings as config
@@ -269,6 +268,7 @@ def _fleet(args: argparse.Namespace, action: Callable[[Any], str], archive: bool
     """Run a read-only archive command: its text on stdout, a FleetUsageError as one line."""
     from agent.archive.database import ArchiveError
     from agent.cli import fleet as fleet_command
+    from workloads.progress import working
 
     engine = _open_archive(args) if archive else None
     try:

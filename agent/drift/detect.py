@@ -19,7 +19,11 @@ points):
 
 Fleet outliers compare devices that should perform alike: same model, same stack, same probe. A
 device whose recent median (its last ``RECENT`` results) is more than ``outlier_ratio`` below the
-median of its peers (at least ``MIN_PEERS`` devices) is flagged.
+median of its peers (at least ``MIN_PEERS`` devices) is flagged. ``sustain drift`` computes them
+from the whole archive's history (``fleet_outliers``); the daemon's child on a fleet's
+PostgreSQL reads its node's own history and a row per group from the fleet's baselines
+(``outliers_by_key``, agent.archive.fleet_baselines: one agent's pass a period), the same answer
+without reading the peers' results.
 
 It imports numpy and scipy (through agent.analysis), so the daemon runs it in a child process
 (``python -m agent.drift.detect``); the CLI's ``sustain drift`` imports it directly.

@@ -52,7 +52,6 @@ class DriftJob:
         database_url: str,
         node: str,
         sink: ArchiveSink | None,
-        *,
         baseline_days: float = 7.0,
     ) -> None:
         """``baseline_days``: health's fleet baseline period, for the fleet's pass of
