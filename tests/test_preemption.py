@@ -67,6 +67,7 @@ from collectors.nvml.collector import NvmlCollector
 from collectors.processes import ProcessCpuMeter
 
 Scenario = Callable[[str, float], tuple[FakeGpus, NvmlCollector]]
+LOADED_GRACE_SECONDS = 60.0  # as test_node_wide's: a stalled iteration is waited for
 PROMISE_SECONDS = 1.0  # from the arrival of foreign work to the run's end (the promise)
 FIRST_ITERATION_SECONDS = 120.0  # start-up of a probe child on a loaded machine, at the most
 ON_GPU1 = ProbeDevice("cuda", GPU1, "1", 1)
@@ -238,7 +239,14 @@ def gpu_node(
                 **probing,
             }
         )
-        runner = ProbeRunner(python=str(wrapper), startup_timeout_seconds=FIRST_ITERATION_SECONDS)
+        # A generous grace past a run's duration: an iteration the suite's load stalls (over
+        # 3 s seen beside a loaded fresh-clone run) ends a short run as a timeout, not the
+        # preemption or its absence these tests are about.
+        runner = ProbeRunner(
+            python=str(wrapper),
+            startup_timeout_seconds=FIRST_ITERATION_SECONDS,
+            grace_seconds=LOADED_GRACE_SECONDS,
+        )
         scheduler = ProbeScheduler(settings, runner, store, capture, (loop,), 1.0, writer=archive)
         return GpuNode(fake, loop, store, scheduler, archive, monkeypatch, tmp_path)
 
