@@ -242,7 +242,7 @@ class Running:
     def base(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def wait_for(self, needle: str, timeout: float = 15.0, path: str = "/metrics") -> str:
+    def wait_for(self, needle: str, timeout: float = 60.0, path: str = "/metrics") -> str:
         """Wait until ``path`` (/metrics) contains ``needle``; returns the body."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
