@@ -1,5 +1,8 @@
 """bench/fleet_scale.py --results N: N probe results loaded on the server, and the reports'
-query times over them (`sustain capacity`, `sustain drift`'s query)."""
+query times over them (`sustain capacity --by model`, and `--since 7d` as the CLI answers it
+with the runs left out; `sustain drift`'s query over the whole fleet, skipped with
+--drift-repeats 0), each capacity answer compared once with the unsummarised query's (every
+result read by PostgreSQL: what the summary must equal to the last bit)."""
 
 from __future__ import annotations
 
@@ -13,7 +16,8 @@ from typing import Any
 from sqlalchemy import Engine, text
 
 from agent.archive.database import current_revision, head_revision, open_engine, upgrade
-from agent.reports.capacity import capacity
+from agent.reports import capacity as capacity_module
+from agent.reports.capacity import Capacity, capacity, capacity_with_runs, parse_since
 from agent.reports.specs import spec_peak
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -227,6 +231,18 @@ def best_of(repeats: int, work: Any) -> tuple[float, Any]:
     return min(times), answer
 
 
+def unsummarised(engine: Engine, **query: Any) -> tuple[float, Capacity]:
+    """The query without the summary (as tests/test_fleet_scale.py runs it), and its time."""
+    summarised = capacity_module._summarised
+    capacity_module._summarised = lambda connection: False
+    try:
+        started = time.perf_counter()
+        answer = capacity_with_runs(engine, **query)
+        return time.perf_counter() - started, answer
+    finally:
+        capacity_module._summarised = summarised
+
+
 def results_run(args: argparse.Namespace) -> dict[str, Any]:
     from agent.drift.detect import load_history  # noqa: PLC0415 - numpy and scipy: this mode only
 
@@ -257,8 +273,26 @@ def results_run(args: argparse.Namespace) -> dict[str, Any]:
         print(summary_note, file=sys.stderr, flush=True)
         capacity_s, rows = best_of(args.repeats, lambda: capacity(engine, by="model"))
         print(f"capacity --by model: {capacity_s:.3f} s", file=sys.stderr, flush=True)
-        drift_repeats = args.drift_repeats or args.repeats
-        drift_s, history = best_of(drift_repeats, lambda: load_history(engine, history=500))
+        # The week before the latest result (the load ends at its start time).
+        since = parse_since("7d", now)
+        since_s, week = best_of(
+            args.repeats, lambda: capacity_with_runs(engine, by="model", since=since)
+        )
+        print(f"capacity --by model --since 7d: {since_s:.3f} s", file=sys.stderr, flush=True)
+        compared = {}
+        for name, query, answer in (
+            ("by_model", {"by": "model"}, capacity_with_runs(engine, by="model")),
+            ("since_7d", {"by": "model", "since": since}, week),
+        ):
+            seconds, expected = unsummarised(engine, **query)
+            compared[name] = {"unsummarised_s": seconds, "equal": answer == expected}
+            print(f"unsummarised {name}: {compared[name]}", file=sys.stderr, flush=True)
+        drift_repeats = args.repeats if args.drift_repeats is None else args.drift_repeats
+        drift_s, history = (
+            best_of(drift_repeats, lambda: load_history(engine, history=500))
+            if drift_repeats
+            else (None, [])
+        )
     finally:
         engine.dispose()
         if not (args.keep or args.reuse):
@@ -274,6 +308,9 @@ def results_run(args: argparse.Namespace) -> dict[str, Any]:
         "repeats": args.repeats,
         "capacity_by_model_s": capacity_s,
         "capacity_rows": len(rows),
+        "capacity_since_7d_s": since_s,
+        "capacity_since_7d_rows": len(week.rows),
+        "compared": compared,
         "drift_load_history_s": drift_s,
         "drift_repeats": drift_repeats,
         "drift_series": len(history),
@@ -298,6 +335,17 @@ def print_results(r: dict[str, Any]) -> None:
         f"({r['capacity_rows']} rows) |"
     )
     print(
-        f"| `sustain drift`'s query (load_history, 500 a series), best of {r['drift_repeats']} | "
-        f"{r['drift_load_history_s']:.2f} s ({r['drift_series']:,} series) |"
+        f"| `sustain capacity --by model --since 7d` (with the runs left out) | "
+        f"{r['capacity_since_7d_s']:.3f} s ({r['capacity_since_7d_rows']} rows) |"
     )
+    for name, c in r["compared"].items():
+        print(
+            f"| the same {name.replace('_', ' ')} unsummarised (every result read) | "
+            f"{c['unsummarised_s']:.1f} s; {'equal' if c['equal'] else 'DIFFERENT'} |"
+        )
+    if r["drift_repeats"]:
+        print(
+            f"| `sustain drift`'s query (load_history, 500 a series), best of "
+            f"{r['drift_repeats']} | {r['drift_load_history_s']:.2f} s "
+            f"({r['drift_series']:,} series) |"
+        )

@@ -442,7 +442,9 @@ def main() -> int:
     parser.add_argument("--pool-size", type=int, default=20, help="PgBouncer server connections")
     parser.add_argument("--results", type=int, help="load this many results and time the reports")
     parser.add_argument("--repeats", type=int, default=3, help="best of this many query runs")
-    parser.add_argument("--drift-repeats", type=int, help="for the drift query (default --repeats)")
+    parser.add_argument(
+        "--drift-repeats", type=int, help="for the drift query (default --repeats; 0: not timed)"
+    )
     parser.add_argument("--database", help="database name (default: made and dropped)")
     parser.add_argument("--keep", action="store_true", help="keep the database")
     parser.add_argument(

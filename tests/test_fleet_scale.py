@@ -147,7 +147,7 @@ def summary_snapshot(
     connection: Connection, kinds: tuple[str, ...] | None = None
 ) -> dict[str, list[tuple[Any, ...]]]:
     """Every summary table's rows (or the steady basis's tables of ``kinds``), sorted; counts of
-    zero (what was uncounted) left out."""
+    zero (what was uncounted, a day its devices all left) left out."""
     tables = {}
     names = summary.TABLES if kinds is None else [summary.table_of("steady", k) for k in kinds]
     for table in names:
@@ -156,6 +156,7 @@ def summary_snapshot(
             tuple(str(value) for value in row.values())
             for row in rows
             if row.get("results", row.get("runs")) != 0
+            and not (table.endswith(summary.BY_DAY) and row["devices"] == 0)
         )
     return tables
 
@@ -296,9 +297,86 @@ def test_the_trigger_keeps_the_summary_as_a_rebuild_would(fleet_engine: Engine) 
                 dict(zip("abcdefghijkl", row, strict=True)),
             )
         connection.exec_driver_sql(summary._fill_groups("steady"))
-        from_devices = summary_snapshot(connection)["probe_result_groups"]
-    assert kept["probe_result_groups"] == from_devices
-    assert len(from_devices) > 10
+        for basis in summary.BASES:
+            connection.exec_driver_sql(f"TRUNCATE {summary.table_of(basis, summary.BY_DAY)}")
+            connection.exec_driver_sql(summary._fill_by_day(basis))
+        from_devices = summary_snapshot(connection)
+    assert kept["probe_result_groups"] == from_devices["probe_result_groups"]
+    assert len(from_devices["probe_result_groups"]) > 10
+    # Each device counted once by day, on the day of the latest result the trigger saw.
+    for basis in summary.BASES:
+        table = summary.table_of(basis, summary.BY_DAY)
+        assert kept[table] == from_devices[table], table
+    assert len(kept["probe_result_devices_by_day"]) > 10
+
+
+RESULT = """
+INSERT INTO probe_runs (run_id, node, device, device_label, workload, precision, optimization,
+  size, outcome, reason, started_at, ended_at, duration_seconds, iterations, unit, stderr_tail,
+  classification, steady_throughput, device_model, stack_id, scope)
+VALUES (:run, 'node-a', :device, :device, 'matmul', 'bf16', 'eager', 'default', 'ok', '',
+  :ended - interval '2 minutes', :ended, 120, 100, 'FLOP/s', '', 'flat', :value,
+  'NVIDIA H100 80GB HBM3', 'stack-a', 'device')
+"""
+
+
+def test_capacity_since_counts_each_device_on_the_day_of_its_latest_result(
+    fleet_engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Results arriving as a fleet writes them (in time order, and some late): a device moves to
+    the day of its latest result and leaves the day it was on; an older result arriving late
+    moves nothing; a deleted result leaves its device where it was. ``--since`` anywhere in
+    those days counts the devices the results do (and a result deleted, which only retention
+    does, leaves its device where it was until the summary is trimmed)."""
+    midnight = NOW.replace(hour=0, minute=0, second=0)
+
+    def at(days_ago: int, hour: int) -> datetime:
+        return midnight - timedelta(days=days_ago) + timedelta(hours=hour)
+
+    arrivals = [
+        ("gpu-0", at(5, 10)),
+        ("gpu-1", at(3, 9)),
+        ("gpu-0", at(3, 8)),  # gpu-0 moves from day -5 to day -3
+        ("gpu-0", at(3, 15)),  # the same day, later: no move
+        ("gpu-0", at(4, 12)),  # late, older: no move
+        ("gpu-2", at(3, 20)),
+        ("gpu-2", at(1, 6)),  # gpu-2 moves from day -3 to day -1
+        ("gpu-0", at(1, 7)),  # gpu-0 moves from day -3 to day -1
+    ]
+    with fleet_engine.begin() as connection:
+        partitions.ensure(
+            connection, "probe_runs", {partitions.month_of(at(d, 0)) for d in (5, 4, 3, 1)}
+        )
+        for index, (device, ended) in enumerate(arrivals):
+            value = 1e14 * (1 + index / 100)
+            connection.execute(
+                text(RESULT), {"run": f"r{index}", "device": device, "ended": ended, "value": value}
+            )
+    for since in (at(5, 0), at(3, 8), at(3, 10), at(3, 21), at(1, 6), at(1, 7), at(0, 0)):
+        for by in ("model", "stack"):
+            got = capacity_with_runs(fleet_engine, by=by, since=since)
+            assert got == unsummarised(fleet_engine, monkeypatch, by=by, since=since), since
+    devices = [
+        [row.devices for row in capacity(fleet_engine, by="model", since=since)]
+        for since in (at(3, 8), at(3, 10), at(1, 6), at(1, 7), at(0, 0))
+    ]
+    # Latest results: gpu-0 day -1 07:00, gpu-1 day -3 09:00, gpu-2 day -1 06:00.
+    assert devices == [[3], [2], [2], [1], []]
+    by_day = (
+        "SELECT day, devices FROM probe_result_devices_by_day "
+        "WHERE grouping = 'model' AND devices <> 0 ORDER BY day"
+    )
+    with fleet_engine.begin() as connection:
+        assert connection.execute(text(by_day)).all() == [
+            (at(3, 0).date(), 1),
+            (at(1, 0).date(), 2),
+        ]
+        # Retention's deletes: the device stays on its day until the summary is trimmed.
+        connection.execute(text("DELETE FROM probe_runs WHERE run_id = 'r7'"))
+        assert connection.execute(text(by_day)).all() == [
+            (at(3, 0).date(), 1),
+            (at(1, 0).date(), 2),
+        ]
 
 
 # Acceptance 2: retention drops partitions, never a DELETE of a partitioned table
@@ -570,6 +648,7 @@ def test_summary_module_names_the_postgresql_only_objects(fleet_engine: Engine) 
                     "SELECT relname FROM pg_class WHERE relnamespace = 'public'::regnamespace "
                     "AND relkind IN ('r', 'p', 'i', 'I') AND (relname LIKE 'probe_result%' "
                     "OR relname LIKE 'ix_probe_result%' OR relname LIKE 'ix_probe_runs_rank%' "
+                    "OR relname LIKE 'ix_probe_runs_period%' "
                     "OR relname LIKE 'fleet_baselines%')"
                 )
             ).scalars()

@@ -22,6 +22,13 @@ over one-second windows), named ``probe_result_<kind>`` for the steady basis and
 ``probe_result_groups``
     per grouping, group and probe: its devices (and the least and greatest model among them),
     for a query without ``--since``.
+``probe_result_devices_by_day`` (migration 0013)
+    per grouping, group, probe, day and model: the number of devices whose latest result ended
+    on that day. The devices behind a group since a time are those of the days after its own,
+    summed, and of its own day those whose latest result is at or after it, read from
+    ``probe_result_devices`` by ``last_ended_at`` (a day's devices at most): a few rows a group
+    and day, where the devices table holds a row per device, group and probe (2.6 million at
+    10 million results).
 
 and one more for the runs left out (migration 0011):
 
@@ -29,6 +36,11 @@ and one more for the runs left out (migration 0011):
     per day (of ``ended_at``; an aborted run, whose end was never recorded, by its start), probe
     and reason (``failed``, ``timeout``, ``aborted``, ``preempted``, ``insufficient``,
     ``no_figure``): the number of runs. A few rows a probe and day, read whole.
+
+The rest of the first day of a ``--since`` is counted from the runs through
+``ix_probe_runs_period_ended_at`` (and the runs left out through ``ix_probe_runs_period_left_out``,
+on the instant they count at), PostgreSQL-only indexes of migration 0013: a day's runs, where
+without them every month's partition was read whole.
 
 From the counts alone the query finds the bucket that holds each quantile's rank, then reads the
 exact value from the results of that one bucket through an index in (group, bucket, value)
@@ -41,7 +53,8 @@ NULL keys are stored as '' so that the unique keys match them; no key is '' othe
 deleted result (retention drops whole months, which ``trim`` follows) is uncounted, but its
 device is not forgotten until ``trim``: the device counts are those of devices ever seen.
 Migration 0010 made the steady basis's tables; 0011 adds the p10 basis's and the runs left out
-(``create`` and ``drop`` take the parts, and the trigger always keeps those that exist).
+(``create`` and ``drop`` take the parts, and the trigger always keeps those that exist); 0013 the
+devices by day and the period indexes (``create_by_day``, ``drop_by_day``).
 """
 
 from __future__ import annotations
@@ -95,12 +108,27 @@ def _rank_index(basis: str, grouping: str) -> str:
 
 
 KINDS = ("days", "buckets", "devices", "groups")
+BY_DAY = "devices_by_day"
+"""The kind of the devices by the day of their latest result (migration 0013): not among
+``KINDS``, which migrations 0010 and 0011 make."""
 RANK_INDEXES = {
     (basis, grouping): _rank_index(basis, grouping) for basis in BASES for grouping in GROUPINGS
 }
 """PostgreSQL-only indexes for reading a quantile's exact value within its bucket."""
 
-TABLES = (*(table_of(basis, kind) for basis in BASES for kind in KINDS), LEFT_OUT_TABLE)
+TABLES = (
+    *(table_of(basis, kind) for basis in BASES for kind in (*KINDS, BY_DAY)),
+    LEFT_OUT_TABLE,
+)
+
+PERIOD_INDEXES = {
+    "ix_probe_runs_period_ended_at": "CREATE INDEX ix_probe_runs_period_ended_at ON probe_runs "
+    "(ended_at)",
+    "ix_probe_runs_period_left_out": "CREATE INDEX ix_probe_runs_period_left_out ON probe_runs "
+    f"((coalesce(ended_at, started_at))) WHERE {LEFT_OUT_SQL}",
+}
+"""PostgreSQL-only indexes of the runs by the instant they count at (migration 0013): the rest
+of a ``--since``'s first day read from the runs, a day's runs rather than every partition."""
 
 INDEXES = (
     *(
@@ -112,6 +140,7 @@ INDEXES = (
         )
     ),
     f"ix_{LEFT_OUT_TABLE}_day",
+    *PERIOD_INDEXES,
 )
 
 BUCKET_FUNCTION = f"""
@@ -171,6 +200,17 @@ CREATE TABLE {groups} (
     )
 
 
+def _create_by_day(basis: str) -> str:
+    by_day = table_of(basis, BY_DAY)
+    return f"""
+CREATE TABLE {by_day} (
+  {_GROUP_COLUMNS}, {_KEY_COLUMNS}, day date NOT NULL, device_model varchar(128) NOT NULL,
+  devices bigint NOT NULL,
+  CONSTRAINT pk_{by_day} PRIMARY KEY (grouping, {_KEYS}, group_value, day, device_model)
+)
+"""
+
+
 CREATE_LEFT_OUT = (
     f"""
 CREATE TABLE {LEFT_OUT_TABLE} (
@@ -211,11 +251,13 @@ _COLUMNS_BUCKETS = f"grouping, group_value, {_KEYS}, bucket, results"
 _COLUMNS_DEVICES = f"grouping, group_value, {_KEYS}, node, device, device_model, last_ended_at"
 _COLUMNS_GROUPS = f"grouping, group_value, {_KEYS}, devices, low_model, high_model"
 _COLUMNS_LEFT_OUT = f"day, {_KEYS}, reason, runs"
+_COLUMNS_BY_DAY = f"grouping, group_value, {_KEYS}, day, device_model, devices"
 _DAYS_KEY = f"grouping, {_KEYS}, group_value, day, bucket"
 _BUCKETS_KEY = f"grouping, {_KEYS}, group_value, bucket"
 _DEVICES_KEY = f"grouping, {_KEYS}, group_value, node, device, device_model"
 _GROUPS_KEY = f"grouping, {_KEYS}, group_value"
 _LEFT_OUT_KEY = f"{_KEYS}, reason, day"
+_BY_DAY_KEY = f"grouping, {_KEYS}, group_value, day, device_model"
 
 
 def _match(row: str, value: str) -> str:
@@ -252,9 +294,89 @@ def _uncount(basis: str) -> str:
   END IF;"""
 
 
-def _count(basis: str) -> str:
-    days, buckets, devices, groups = (table_of(basis, kind) for kind in KINDS)
+def _date(instant: str) -> str:
+    return f"({instant} AT TIME ZONE 'UTC')::date"
+
+
+def _device_key(row: str) -> str:
+    """In the trigger: the devices table's row of the device of ``row`` in group ``gv``."""
+    return " AND ".join(
+        [
+            "grouping = g",
+            "group_value = gv",
+            *(f"{name} = coalesce({row}.{name}, '')" for name in PROBE_KEYS),
+            f"node = {row}.node",
+            f"device = {row}.device",
+            f"device_model = coalesce({row}.device_model, '')",
+        ]
+    )
+
+
+def _by_day_add(basis: str, day: str, change: int) -> str:
+    """In the trigger: add ``change`` to the devices of NEW's group whose latest result ended
+    on ``day``."""
+    by_day = table_of(basis, BY_DAY)
+    return (
+        f"INSERT INTO {by_day} ({_COLUMNS_BY_DAY}) "
+        f"VALUES (g, gv, {_keys('NEW')}, {day}, coalesce(NEW.device_model, ''), {change}) "
+        f"ON CONFLICT ({_BY_DAY_KEY}) DO UPDATE SET devices = {by_day}.devices + {change};"
+    )
+
+
+def _group_gains_device(basis: str) -> str:
+    groups = table_of(basis, "groups")
+    return f"""
+        INSERT INTO {groups} ({_COLUMNS_GROUPS})
+          VALUES (g, gv, {_keys("NEW")}, 1, coalesce(NEW.device_model, ''),
+                  coalesce(NEW.device_model, ''))
+          ON CONFLICT ({_GROUPS_KEY}) DO UPDATE SET
+            devices = {groups}.devices + 1,
+            low_model = least({groups}.low_model, EXCLUDED.low_model),
+            high_model = greatest({groups}.high_model, EXCLUDED.high_model);"""
+
+
+def _count_device(basis: str, by_day: bool) -> str:
+    """In the trigger: NEW's device in its group (``probe_result_devices``), a device new to the
+    group counted in ``probe_result_groups``; with ``by_day``, the device moved to the day of its
+    latest result. The device's row is read locked first (made if there is none; read again if
+    another transaction made it first), so that the day it leaves is the one it was counted on."""
+    devices = table_of(basis, "devices")
+    insert = (
+        f"INSERT INTO {devices} ({_COLUMNS_DEVICES}) "
+        f"VALUES (g, gv, {_keys('NEW')}, NEW.node, NEW.device, coalesce(NEW.device_model, ''), "
+        "NEW.ended_at)"
+    )
+    if not by_day:
+        return f"""
+      {insert}
+        ON CONFLICT ({_DEVICES_KEY}) DO UPDATE
+          SET last_ended_at = greatest({devices}.last_ended_at, EXCLUDED.last_ended_at)
+        RETURNING (xmax = 0) INTO fresh;
+      IF fresh THEN  -- a device new to the group{_group_gains_device(basis)}
+      END IF;"""
+    return f"""
+      LOOP
+        SELECT last_ended_at INTO latest FROM {devices} WHERE {_device_key("NEW")} FOR UPDATE;
+        fresh := NOT FOUND;
+        EXIT WHEN NOT fresh;
+        {insert} ON CONFLICT DO NOTHING;
+        EXIT WHEN FOUND;
+      END LOOP;
+      IF fresh THEN  -- a device new to the group
+        {_by_day_add(basis, _date("NEW.ended_at"), 1)}{_group_gains_device(basis)}
+      ELSIF NEW.ended_at > latest THEN
+        UPDATE {devices} SET last_ended_at = NEW.ended_at WHERE {_device_key("NEW")};
+        IF {_date("NEW.ended_at")} <> {_date("latest")} THEN
+          {_by_day_add(basis, _date("latest"), -1)}
+          {_by_day_add(basis, _date("NEW.ended_at"), 1)}
+        END IF;
+      END IF;"""
+
+
+def _count(basis: str, by_day: bool) -> str:
+    days, buckets = table_of(basis, "days"), table_of(basis, "buckets")
     bucket = f"sustain_result_bucket(NEW.{VALUES[basis]})"
+    device = _count_device(basis, by_day)
     return f"""
   IF TG_OP IN ('INSERT', 'UPDATE') AND {_on(WHERES[basis], "NEW")}
      AND NEW.ended_at IS NOT NULL THEN
@@ -265,22 +387,7 @@ def _count(basis: str) -> str:
         ON CONFLICT ({_DAYS_KEY}) DO UPDATE SET results = {days}.results + 1;
       INSERT INTO {buckets} ({_COLUMNS_BUCKETS})
         VALUES (g, gv, {_keys("NEW")}, {bucket}, 1)
-        ON CONFLICT ({_BUCKETS_KEY}) DO UPDATE SET results = {buckets}.results + 1;
-      INSERT INTO {devices} ({_COLUMNS_DEVICES})
-        VALUES (g, gv, {_keys("NEW")}, NEW.node, NEW.device, coalesce(NEW.device_model, ''),
-                NEW.ended_at)
-        ON CONFLICT ({_DEVICES_KEY}) DO UPDATE
-          SET last_ended_at = greatest({devices}.last_ended_at, EXCLUDED.last_ended_at)
-        RETURNING (xmax = 0) INTO fresh;
-      IF fresh THEN  -- a device new to the group
-        INSERT INTO {groups} ({_COLUMNS_GROUPS})
-          VALUES (g, gv, {_keys("NEW")}, 1, coalesce(NEW.device_model, ''),
-                  coalesce(NEW.device_model, ''))
-          ON CONFLICT ({_GROUPS_KEY}) DO UPDATE SET
-            devices = {groups}.devices + 1,
-            low_model = least({groups}.low_model, EXCLUDED.low_model),
-            high_model = greatest({groups}.high_model, EXCLUDED.high_model);
-      END IF;
+        ON CONFLICT ({_BUCKETS_KEY}) DO UPDATE SET results = {buckets}.results + 1;{device}
     END LOOP;
   END IF;"""
 
@@ -306,13 +413,14 @@ _TRIGGER_LEFT_OUT = f"""
   END IF;"""
 
 
-def trigger_function(bases: Sequence[str], left_out: bool) -> str:
-    """The trigger's function, keeping the tables of ``bases`` (and of the runs left out).
+def trigger_function(bases: Sequence[str], left_out: bool, by_day: bool = False) -> str:
+    """The trigger's function, keeping the tables of ``bases`` (and of the runs left out; with
+    ``by_day``, the devices by day of each of ``bases``).
 
     A result that was counted and is changed or removed is uncounted first (a replayed finish
     rewrites the same values: uncounted, then counted again); so is a run left out.
     """
-    blocks = [_uncount(basis) for basis in bases] + [_count(basis) for basis in bases]
+    blocks = [_uncount(basis) for basis in bases] + [_count(basis, by_day) for basis in bases]
     if left_out:
         blocks.append(_TRIGGER_LEFT_OUT)
     return f"""
@@ -322,6 +430,7 @@ DECLARE
   g text;
   gv text;
   fresh boolean;
+  latest timestamp with time zone;
   why text;
 BEGIN{"".join(blocks)}
   RETURN NULL;
@@ -397,6 +506,15 @@ def _fill_groups(basis: str) -> str:
     )
 
 
+def _fill_by_day(basis: str) -> str:
+    return (
+        f"INSERT INTO {table_of(basis, BY_DAY)} ({_COLUMNS_BY_DAY}) "
+        f"SELECT grouping, group_value, {_KEYS}, {_date('last_ended_at')}, device_model, "
+        f"count(*) FROM {table_of(basis, 'devices')} "
+        f"GROUP BY grouping, group_value, {_KEYS}, {_date('last_ended_at')}, device_model"
+    )
+
+
 def _fill_left_out(where: str = "") -> str:
     keys = ", ".join(f"coalesce(r.{name}, '') AS {name}" for name in PROBE_KEYS)
     return (
@@ -407,29 +525,26 @@ def _fill_left_out(where: str = "") -> str:
     )
 
 
-def _present(connection: Connection) -> tuple[list[str], bool]:
-    """The bases whose tables exist, and whether the runs left out are counted."""
-    bases = [
-        basis
-        for basis in BASES
-        if connection.execute(
-            text("SELECT to_regclass(:name)"), {"name": table_of(basis, "days")}
-        ).scalar()
-        is not None
-    ]
-    left_out = (
-        connection.execute(text("SELECT to_regclass(:name)"), {"name": LEFT_OUT_TABLE}).scalar()
-        is not None
-    )
-    return bases, left_out
+def _exists(connection: Connection, name: str) -> bool:
+    found = connection.execute(text("SELECT to_regclass(:name)"), {"name": name}).scalar()
+    return found is not None
+
+
+def _present(connection: Connection) -> tuple[list[str], bool, bool]:
+    """The bases whose tables exist, whether the runs left out are counted, and whether the
+    devices by day are kept (for every basis that exists)."""
+    bases = [basis for basis in BASES if _exists(connection, table_of(basis, "days"))]
+    left_out = _exists(connection, LEFT_OUT_TABLE)
+    by_day = bool(bases) and all(_exists(connection, table_of(basis, BY_DAY)) for basis in bases)
+    return bases, left_out, by_day
 
 
 def _keep(connection: Connection) -> None:
     """The trigger over the parts that exist (none left: no trigger, no functions)."""
-    bases, left_out = _present(connection)
+    bases, left_out, by_day = _present(connection)
     connection.exec_driver_sql("DROP TRIGGER IF EXISTS probe_result_summary ON probe_runs")
     if bases or left_out:
-        connection.exec_driver_sql(trigger_function(bases, left_out))
+        connection.exec_driver_sql(trigger_function(bases, left_out, by_day))
         connection.exec_driver_sql(CREATE_TRIGGER)
         return
     connection.exec_driver_sql("DROP FUNCTION IF EXISTS sustain_probe_result_summary()")
@@ -459,15 +574,40 @@ def drop(connection: Connection, bases: Sequence[str] = BASES, *, left_out: bool
             connection.exec_driver_sql(f"DROP INDEX IF EXISTS {RANK_INDEXES[basis, grouping]}")
         for kind in KINDS:
             connection.exec_driver_sql(f"DROP TABLE IF EXISTS {table_of(basis, kind)}")
+        connection.exec_driver_sql(f"DROP TABLE IF EXISTS {table_of(basis, BY_DAY)}")
     if left_out:
         connection.exec_driver_sql(f"DROP TABLE IF EXISTS {LEFT_OUT_TABLE}")
+    _keep(connection)
+
+
+def create_by_day(connection: Connection) -> None:
+    """Migration 0013: the devices by day of every basis, filled from the devices tables, the
+    trigger keeping them, and the period indexes."""
+    bases, _, _ = _present(connection)
+    for basis in bases:
+        connection.exec_driver_sql(_create_by_day(basis))
+        connection.exec_driver_sql(_fill_by_day(basis))
+    for statement in PERIOD_INDEXES.values():
+        connection.exec_driver_sql(statement)
+    _keep(connection)
+
+
+def drop_by_day(connection: Connection) -> None:
+    """Undo ``create_by_day``."""
+    for name in PERIOD_INDEXES:
+        connection.exec_driver_sql(f"DROP INDEX IF EXISTS {name}")
+    for basis in BASES:
+        connection.exec_driver_sql(f"DROP TABLE IF EXISTS {table_of(basis, BY_DAY)}")
     _keep(connection)
 
 
 def rebuild(connection: Connection, bases: Sequence[str] = BASES, *, left_out: bool = True) -> None:
     """Recompute the tables of ``bases`` (and of the runs left out) from ``probe_runs``: after a
     bulk load made with triggers off, or when they are made."""
+    by_day = _present(connection)[2]
     tables = [table_of(basis, kind) for basis in bases for kind in KINDS]
+    if by_day:
+        tables += [table_of(basis, BY_DAY) for basis in bases]
     if left_out:
         tables.append(LEFT_OUT_TABLE)
     connection.exec_driver_sql(f"TRUNCATE {', '.join(tables)}")
@@ -476,6 +616,8 @@ def rebuild(connection: Connection, bases: Sequence[str] = BASES, *, left_out: b
         connection.exec_driver_sql(_fill_buckets(basis))
         connection.exec_driver_sql(_fill_devices(basis))
         connection.exec_driver_sql(_fill_groups(basis))
+        if by_day:
+            connection.exec_driver_sql(_fill_by_day(basis))
     if left_out:
         connection.exec_driver_sql(_fill_left_out())
 
@@ -491,6 +633,7 @@ def trim(connection: Connection, before: datetime) -> None:
     """
     window = "AND r.ended_at >= :start AND r.ended_at < :end"
     bounds = {"start": before, "end": before + timedelta(days=1)}
+    by_day = _present(connection)[2]
     for basis in BASES:
         days, devices = table_of(basis, "days"), table_of(basis, "devices")
         connection.execute(text(f"DELETE FROM {days} WHERE day <= :day"), {"day": before.date()})
@@ -504,6 +647,9 @@ def trim(connection: Connection, before: datetime) -> None:
         )
         connection.exec_driver_sql(_fill_buckets(basis))
         connection.exec_driver_sql(_fill_groups(basis))
+        if by_day:
+            connection.exec_driver_sql(f"TRUNCATE {table_of(basis, BY_DAY)}")
+            connection.exec_driver_sql(_fill_by_day(basis))
     connection.execute(
         text(f"DELETE FROM {LEFT_OUT_TABLE} WHERE day <= :day"), {"day": before.date()}
     )
@@ -552,10 +698,17 @@ def devices_query(basis: str, filters: list[str], *, since: bool) -> TextClause:
             f"SELECT {_GROUP_KEY_LIST}, group_value, devices, low_model, high_model "
             f"FROM {table_of(basis, 'groups')} WHERE grouping = :grouping{where}"
         )
+    # The devices whose latest result ended after ``since``'s day, by day; those of its own day
+    # from the devices table by ``last_ended_at``.
     return text(
-        f"SELECT {_GROUP_KEY_LIST}, group_value, count(*), min(device_model), max(device_model) "
+        f"SELECT {_GROUP_KEY_LIST}, group_value, sum(devices), min(device_model), "
+        f"max(device_model) FROM (SELECT {_GROUP_KEY_LIST}, group_value, device_model, devices "
+        f"FROM {table_of(basis, BY_DAY)} WHERE grouping = :grouping{where} "
+        f"AND day > :first_day AND devices > 0 UNION ALL "
+        f"SELECT {_GROUP_KEY_LIST}, group_value, device_model, 1 "
         f"FROM {table_of(basis, 'devices')} WHERE grouping = :grouping{where} "
-        f"AND last_ended_at >= :since GROUP BY {_GROUP_KEY_LIST}, group_value"
+        f"AND last_ended_at >= :since AND last_ended_at < :next_day) s "
+        f"GROUP BY {_GROUP_KEY_LIST}, group_value"
     )
 
 
