@@ -188,7 +188,9 @@ def rebuild_summary(engine: Engine) -> str:
         return "the summary was not rebuilt: agent.archive.summary does not exist yet"
     started = time.perf_counter()
     with engine.begin() as connection:
+        connection.exec_driver_sql("SET LOCAL statement_timeout = 0")  # minutes at 10 M
         summary.rebuild(connection)
+        connection.exec_driver_sql("ANALYZE")  # the summary's tables, as autovacuum would
     return f"summary rebuilt in {time.perf_counter() - started:.0f} s"
 
 
@@ -202,6 +204,7 @@ def load_results(
     try:
         connection: Any = raw.driver_connection
         connection.autocommit = True
+        connection.execute("SET statement_timeout = 0")  # a chunk is minutes of work
         connection.execute("SET session_replication_role = replica")
         connection.execute("SELECT setseed(0.42)")
         for first in range(1, total + 1, LOAD_CHUNK):

@@ -15,16 +15,19 @@ import textwrap
 import threading
 import time
 from collections.abc import Callable
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
 from conftest import PrivatePostgres, fetch, free_port, start_agent
 from prometheus_client import CollectorRegistry
-from sqlalchemy import Engine, create_engine, text
+from sqlalchemy import Connection, Engine, create_engine, text
+from sqlalchemy.exc import OperationalError
 
+from agent.archive import database, fleet_baselines, summary
 from agent.archive import sink as sink_module
-from agent.archive.database import open_engine, upgrade
+from agent.archive.database import current_revision, head_revision, open_engine, upgrade
 from agent.archive.sink import ArchiveSink
 from agent.archive.spool import Spool
 from agent.exporter.server import ExporterApp
@@ -193,6 +196,40 @@ def test_the_writer_thread_survives_any_error(
     assert sink.writer_running
     assert sink.stop(5.0)
     sink.spool.close()
+
+
+def test_migrations_and_the_fleet_pass_are_not_bound_by_the_agents_statement_timeout(
+    postgres_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A migration over a fleet's archive and the fleet baselines' pass take minutes at 10
+    million runs: the agent's statement timeout (shortened here to 1 s, a statement made to
+    take 1.5 s) cancels its own statements, not theirs."""
+    engine = open_engine(postgres_url)
+    upgrade(engine, "0012")
+    engine.dispose()
+    monkeypatch.setattr(database, "STATEMENT_TIMEOUT", "1s")
+    engine = open_engine(postgres_url)
+    slow = text("SELECT pg_sleep(1.5)")
+    with pytest.raises(OperationalError, match="statement timeout"), engine.begin() as connection:
+        connection.execute(slow)
+    create_by_day = summary.create_by_day
+
+    def slow_migration(connection: Connection) -> None:
+        connection.execute(slow)
+        create_by_day(connection)
+
+    monkeypatch.setattr(summary, "create_by_day", slow_migration)  # migration 0013's work
+    upgrade(engine)
+    assert current_revision(engine) == head_revision()
+    with engine.begin() as connection:
+        now = datetime.now(UTC)
+        fleet_baselines.refresh(connection, cutoff=now, since=now - timedelta(days=7))
+        connection.execute(slow)
+        timeout = connection.execute(text("SHOW statement_timeout")).scalar_one()
+    assert timeout == fleet_baselines.STATEMENT_BOUND
+    with engine.connect() as connection:  # and the agent's sessions keep theirs
+        assert connection.execute(text("SHOW statement_timeout")).scalar_one() == "1s"
+    engine.dispose()
 
 
 def test_postgresql_sessions_time_out_on_locks_and_a_read_only_one_is_replaced(

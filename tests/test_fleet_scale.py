@@ -649,6 +649,7 @@ def test_summary_module_names_the_postgresql_only_objects(fleet_engine: Engine) 
                     "AND relkind IN ('r', 'p', 'i', 'I') AND (relname LIKE 'probe_result%' "
                     "OR relname LIKE 'ix_probe_result%' OR relname LIKE 'ix_probe_runs_rank%' "
                     "OR relname LIKE 'ix_probe_runs_period%' "
+                    "OR relname LIKE 'ix_probe_runs_series%' "
                     "OR relname LIKE 'fleet_baselines%')"
                 )
             ).scalars()

@@ -242,7 +242,13 @@ def oldest_kept(connection: Connection, table: str) -> datetime | None:
 
 # Objects that only PostgreSQL has, made by migrations 0010 and 0012 outside the models.
 POSTGRESQL_ONLY = frozenset(
-    {*summary.TABLES, *summary.INDEXES, *summary.RANK_INDEXES.values(), fleet_baselines.TABLE}
+    {
+        *summary.TABLES,
+        *summary.INDEXES,
+        *summary.RANK_INDEXES.values(),
+        fleet_baselines.TABLE,
+        fleet_baselines.SERIES_INDEX,
+    }
 )
 
 

@@ -52,6 +52,9 @@ def _run(connection: Connection) -> None:
         if connection.dialect.name == "postgresql":
             lock = text("SELECT pg_advisory_xact_lock(:key)")
             connection.execute(lock, {"key": MIGRATION_LOCK_KEY})
+            # A migration reads and writes whole tables (minutes at 10 million runs): not bound
+            # by the statement timeout that guards the agent's own statements.
+            connection.exec_driver_sql("SET LOCAL statement_timeout = 0")
         context.run_migrations()
 
 
