@@ -446,9 +446,17 @@ def test_sustain_probe_json_from_the_command_line(tmp_path: Path) -> None:
     assert run["ratio_to_best"] == 1.0
 
 
+LOADED_GRACE_SECONDS = 60.0  # as test_node_wide's: a stalled iteration is waited for
+
+
 def sustain_probe(*args: str) -> subprocess.CompletedProcess[str]:
+    """``sustain probe`` with the default settings but a generous run grace: on a loaded machine
+    one iteration can stall past the default 3 s, and the run would end as a timeout for that
+    alone (the grace itself is tested by
+    ``test_a_hanging_child_and_its_children_are_killed_at_the_timeout``)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SUSTAIN_", "FAKENVML_"))}
     env["COLUMNS"] = "100"  # the widest a block of the text output gets
+    env["SUSTAIN_PROBING__RUN_GRACE_SECONDS"] = str(LOADED_GRACE_SECONDS)
     return subprocess.run(
         [sys.executable, "-m", "agent", "probe", *args],
         capture_output=True,
