@@ -77,7 +77,7 @@ def test_upgrade_creates_the_schema_at_head(database_url: str) -> None:
     try:
         assert current_revision(engine) is None
         upgrade(engine)
-        assert current_revision(engine) == head_revision() == "0013"
+        assert current_revision(engine) == head_revision() == "0014"
         tables = set(inspect(engine).get_table_names())
         assert {"telemetry_rollups", "events", "alembic_version"} <= tables
     finally:

@@ -379,6 +379,98 @@ def test_capacity_since_counts_each_device_on_the_day_of_its_latest_result(
         ]
 
 
+def test_a_quantile_between_two_buckets_reads_each_within_the_period(
+    fleet_engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The two results around a median in different buckets (0.1% wide), older results of the
+    same buckets between them: each is read from its bucket's part of the period, and the
+    median is theirs, as the unsummarised query's."""
+    since = NOW - timedelta(days=2)
+    recent = [1.0e14, 1.0001e14, 1.01e14, 1.02e14]  # the median: between the 2nd and the 3rd
+    older = [1.00005e14, 1.0002e14, 1.0099e14, 0.99e14]  # in the same buckets, before since
+    with fleet_engine.begin() as connection:
+        partitions.ensure(
+            connection, "probe_runs", {partitions.month_of(NOW - timedelta(days=d)) for d in (0, 5)}
+        )
+        for index, value in enumerate(recent + older):
+            ended = NOW - timedelta(hours=1 + index) - timedelta(days=0 if index < 4 else 4)
+            connection.execute(
+                text(RESULT),
+                {"run": f"r{index}", "device": f"gpu-{index}", "ended": ended, "value": value},
+            )
+    with fleet_engine.connect() as connection:
+        bucket = {
+            value: connection.execute(
+                text("SELECT sustain_result_bucket(:v)"), {"v": value}
+            ).scalar_one()
+            for value in recent
+        }
+    assert bucket[1.0e14] == bucket[1.0001e14] < bucket[1.01e14]
+    for by in ("model", "stack"):
+        got = capacity_with_runs(fleet_engine, by=by, since=since)
+        assert got == unsummarised(fleet_engine, monkeypatch, by=by, since=since)
+        (row,) = got.rows
+        assert row.results == 4
+        assert row.median == pytest.approx((1.0001e14 + 1.01e14) / 2, rel=1e-12)
+    # The whole history: eight results, the median between the 4th and the 5th of them.
+    (row,) = capacity(fleet_engine, by="model")
+    assert row.results == 8
+    assert row.median == pytest.approx((1.0001e14 + 1.0002e14) / 2, rel=1e-12)
+
+
+def test_reads_find_each_rank_in_its_bucket() -> None:
+    counts = {10: 3, 11: 0, 12: 2, 15: 1}
+    assert capacity_module._reads(counts, [0, 1]) == [(10, 0, 2)]
+    assert capacity_module._reads(counts, [2, 3]) == [(10, 2, 1), (12, 0, 1)]
+    assert capacity_module._reads(counts, [3, 4]) == [(12, 0, 2)]
+    assert capacity_module._reads(counts, [4, 5]) == [(12, 1, 1), (15, 0, 1)]
+    assert capacity_module._reads(counts, [5]) == [(15, 0, 1)]
+    assert capacity_module._reads(counts, [6]) == []  # past the last: nothing to read
+
+
+def test_0014_remakes_the_rank_indexes_in_period_order(
+    postgres_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Revision 0014 has ``ended_at`` before the value in the rank indexes (the value included);
+    a downgrade puts them back in value order, and the upgrade remakes them; the answers are the
+    results' with either."""
+    engine = open_engine(postgres_url)
+    config = Config()
+    config.set_main_option("script_location", str(MIGRATIONS))
+    name = summary.RANK_INDEXES["steady", "model"]
+    definition = text("SELECT pg_get_indexdef(to_regclass(:name))")
+    since = NOW - timedelta(days=3, hours=5)
+
+    def made() -> str:
+        with engine.connect() as connection:
+            return str(connection.execute(definition, {"name": name}).scalar_one())
+
+    def answers_are_the_results() -> None:
+        for by in ("model", "stack"):
+            got = capacity_with_runs(engine, by=by, since=since)
+            assert got.rows
+            assert got == unsummarised(engine, monkeypatch, by=by, since=since)
+
+    period_order = "sustain_result_bucket(steady_throughput), ended_at) INCLUDE (steady_throughput)"
+    try:
+        upgrade(engine)
+        with engine.begin() as connection:
+            seed(connection, 4_000)
+        assert period_order in made()
+        answers_are_the_results()
+        with engine.begin() as connection:
+            config.attributes["connection"] = connection
+            command.downgrade(config, "0013")
+        assert "sustain_result_bucket(steady_throughput), steady_throughput, ended_at)" in made()
+        assert "INCLUDE" not in made()
+        answers_are_the_results()
+        upgrade(engine)
+        assert period_order in made()
+        answers_are_the_results()
+    finally:
+        engine.dispose()
+
+
 # Acceptance 2: retention drops partitions, never a DELETE of a partitioned table
 
 PARTITIONED_DELETE = re.compile(

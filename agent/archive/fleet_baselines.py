@@ -37,6 +37,8 @@ from typing import Any
 
 from sqlalchemy import Connection, Engine, text
 
+from agent.archive import summary
+
 TABLE = "fleet_baselines"
 LOCK_KEY = 0x7375737461696E42  # the bytes of "sustainB": one pass at a time, fleet-wide
 STATEMENT_BOUND = "10min"
@@ -304,4 +306,4 @@ def present(engine: Engine) -> bool:
     if engine.dialect.name != "postgresql":
         return False
     with engine.connect() as connection:
-        return bool(connection.execute(text("SELECT to_regclass(:t)"), {"t": TABLE}).scalar())
+        return summary.exists(connection, TABLE)

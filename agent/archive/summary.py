@@ -42,10 +42,12 @@ The rest of the first day of a ``--since`` is counted from the runs through
 on the instant they count at), PostgreSQL-only indexes of migration 0013: a day's runs, where
 without them every month's partition was read whole.
 
-From the counts alone the query finds the bucket that holds each quantile's rank, then reads the
-exact value from the results of that one bucket through an index in (group, bucket, value)
-order (``ix_probe_runs_rank_by_*``, ``ix_probe_runs_rank_p10_by_*``): the answer is the
-unsummarised query's, to the last bit.
+From the counts alone the query finds the bucket that holds each quantile's rank (and the next
+rank's, where the two differ), then reads the exact value from the results of that one bucket
+through an index in (group, bucket, ended_at) order that holds the value
+(``ix_probe_runs_rank_by_*``, ``ix_probe_runs_rank_p10_by_*``; migration 0014 put ``ended_at``
+before the value): a bucket's results, or a period's part of them, are one range of it, sorted
+by value in memory. The answer is the unsummarised query's, to the last bit.
 
 They are PostgreSQL only (SQLite has no such fleet, and keeps its index-walking query), which is
 why they are not among the models: migrations/env.py leaves them out of Alembic's comparison.
@@ -54,7 +56,8 @@ deleted result (retention drops whole months, which ``trim`` follows) is uncount
 device is not forgotten until ``trim``: the device counts are those of devices ever seen.
 Migration 0010 made the steady basis's tables; 0011 adds the p10 basis's and the runs left out
 (``create`` and ``drop`` take the parts, and the trigger always keeps those that exist); 0013 the
-devices by day and the period indexes (``create_by_day``, ``drop_by_day``).
+devices by day and the period indexes (``create_by_day``, ``drop_by_day``); 0014 remakes the rank
+indexes (``remake_rank_indexes``).
 """
 
 from __future__ import annotations
@@ -446,13 +449,28 @@ CREATE_TRIGGER = (
 
 
 def _create_rank_index(basis: str, grouping: str) -> str:
+    """A group's results by bucket, then by when they ended (migration 0014), with their value:
+    one bucket's results, or those of a period, are a range of it, read without the table."""
     column, value = GROUPINGS[grouping], VALUES[basis]
     return (
         f"CREATE INDEX {RANK_INDEXES[basis, grouping]} ON probe_runs "
-        f"({', '.join(GROUP_KEYS)}, {column}, "
-        f"sustain_result_bucket({value}), {value}, ended_at) "
-        f"WHERE {WHERES[basis]}"
+        f"({', '.join(GROUP_KEYS)}, {column}, sustain_result_bucket({value}), ended_at) "
+        f"INCLUDE ({value}) WHERE {WHERES[basis]}"
     )
+
+
+def remake_rank_indexes(connection: Connection) -> None:
+    """Migration 0014: the rank indexes of the bases that exist, in ``_create_rank_index``'s
+    order, where they are not (migration 0010 and 0011 make them so since 0014 exists)."""
+    definition = text("SELECT pg_get_indexdef(to_regclass(:name))")
+    for basis in present(connection)[0]:
+        for grouping in GROUPINGS:
+            name = RANK_INDEXES[basis, grouping]
+            made = connection.execute(definition, {"name": name}).scalar()
+            if made is not None and f"INCLUDE ({VALUES[basis]})" in made:
+                continue
+            connection.exec_driver_sql(f"DROP INDEX IF EXISTS {name}")
+            connection.exec_driver_sql(_create_rank_index(basis, grouping))
 
 
 def _results(basis: str, columns: str, where: str) -> str:
@@ -525,23 +543,24 @@ def _fill_left_out(where: str = "") -> str:
     )
 
 
-def _exists(connection: Connection, name: str) -> bool:
+def exists(connection: Connection, name: str) -> bool:
+    """Whether the relation ``name`` exists (PostgreSQL): the parts a migration made."""
     found = connection.execute(text("SELECT to_regclass(:name)"), {"name": name}).scalar()
     return found is not None
 
 
-def _present(connection: Connection) -> tuple[list[str], bool, bool]:
+def present(connection: Connection) -> tuple[list[str], bool, bool]:
     """The bases whose tables exist, whether the runs left out are counted, and whether the
     devices by day are kept (for every basis that exists)."""
-    bases = [basis for basis in BASES if _exists(connection, table_of(basis, "days"))]
-    left_out = _exists(connection, LEFT_OUT_TABLE)
-    by_day = bool(bases) and all(_exists(connection, table_of(basis, BY_DAY)) for basis in bases)
+    bases = [basis for basis in BASES if exists(connection, table_of(basis, "days"))]
+    left_out = exists(connection, LEFT_OUT_TABLE)
+    by_day = bool(bases) and all(exists(connection, table_of(basis, BY_DAY)) for basis in bases)
     return bases, left_out, by_day
 
 
 def _keep(connection: Connection) -> None:
     """The trigger over the parts that exist (none left: no trigger, no functions)."""
-    bases, left_out, by_day = _present(connection)
+    bases, left_out, by_day = present(connection)
     connection.exec_driver_sql("DROP TRIGGER IF EXISTS probe_result_summary ON probe_runs")
     if bases or left_out:
         connection.exec_driver_sql(trigger_function(bases, left_out, by_day))
@@ -583,7 +602,7 @@ def drop(connection: Connection, bases: Sequence[str] = BASES, *, left_out: bool
 def create_by_day(connection: Connection) -> None:
     """Migration 0013: the devices by day of every basis, filled from the devices tables, the
     trigger keeping them, and the period indexes."""
-    bases, _, _ = _present(connection)
+    bases, _, _ = present(connection)
     for basis in bases:
         connection.exec_driver_sql(_create_by_day(basis))
         connection.exec_driver_sql(_fill_by_day(basis))
@@ -604,7 +623,7 @@ def drop_by_day(connection: Connection) -> None:
 def rebuild(connection: Connection, bases: Sequence[str] = BASES, *, left_out: bool = True) -> None:
     """Recompute the tables of ``bases`` (and of the runs left out) from ``probe_runs``: after a
     bulk load made with triggers off, or when they are made."""
-    by_day = _present(connection)[2]
+    by_day = present(connection)[2]
     tables = [table_of(basis, kind) for basis in bases for kind in KINDS]
     if by_day:
         tables += [table_of(basis, BY_DAY) for basis in bases]
@@ -633,7 +652,7 @@ def trim(connection: Connection, before: datetime) -> None:
     """
     window = "AND r.ended_at >= :start AND r.ended_at < :end"
     bounds = {"start": before, "end": before + timedelta(days=1)}
-    by_day = _present(connection)[2]
+    by_day = present(connection)[2]
     for basis in BASES:
         days, devices = table_of(basis, "days"), table_of(basis, "devices")
         connection.execute(text(f"DELETE FROM {days} WHERE day <= :day"), {"day": before.date()})
@@ -731,28 +750,30 @@ def left_out_query(filters: list[str], *, since: bool) -> TextClause:
 
 
 def rank_query(by: str, basis: str, nulls: list[bool], lookups: int, *, since: bool) -> TextClause:
-    """For ``lookups`` groups of one shape at once, two results of ``basis`` each in (bucket,
-    value) order from an offset within the buckets from a bucket on: rows of (lookup, value).
+    """For ``lookups`` reads of one shape at once, results of ``basis`` in value order within
+    one bucket of a group, from an offset: rows of (lookup, value).
 
-    Lookup ``j`` binds ``j_i`` (its number), ``j_b`` (the bucket), ``j_o`` (the offset) and
-    ``j_k0``, ``j_k1``, ... (GROUP_KEYS' values and ``by``'s) except where ``nulls`` says the
-    value is NULL (an index serves ``IS NULL``, never ``IS NOT DISTINCT FROM``: groups with a
-    NULL in another place are another shape). One statement, planned once, for every group
-    of the shape; each lookup walks the basis's ``ix_probe_runs_rank_..._by_<by>`` from its
-    bucket.
+    Lookup ``j`` binds ``j_i`` (its number), ``j_b`` (the bucket), ``j_o`` (the offset), ``j_n``
+    (how many values) and ``j_k0``, ``j_k1``, ... (GROUP_KEYS' values and ``by``'s) except where
+    ``nulls`` says the value is NULL (an index serves ``IS NULL``, never ``IS NOT DISTINCT
+    FROM``: groups with a NULL in another place are another shape). With ``since``: the results
+    that ended at or after it. One statement, planned once, for every read of the shape; each
+    reads the bucket's range of the basis's ``ix_probe_runs_rank_..._by_<by>`` (the period's
+    part of it, with ``since``) and sorts it.
     """
     names = [*GROUP_KEYS, GROUPINGS[by]]
     given = [i for i, null in enumerate(nulls) if not null]
     rows = ", ".join(
         "("
         + ", ".join(
-            [f"CAST(:l{j}_i AS integer)", f"CAST(:l{j}_b AS integer)", f"CAST(:l{j}_o AS bigint)"]
+            [f"CAST(:l{j}_{name} AS integer)" for name in "ibn"]
+            + [f"CAST(:l{j}_o AS bigint)"]
             + [f"CAST(:l{j}_k{i} AS text)" for i in given]
         )
         + ")"
         for j in range(lookups)
     )
-    columns = ", ".join(["i", "b", "o", *(f"k{i}" for i in given)])
+    columns = ", ".join(["i", "b", "n", "o", *(f"k{i}" for i in given)])
     conditions = [
         f"{name} IS NULL" if null else f"{name} = w.k{i}"
         for i, (name, null) in enumerate(zip(names, nulls, strict=True))
@@ -763,6 +784,6 @@ def rank_query(by: str, basis: str, nulls: list[bool], lookups: int, *, since: b
     return text(
         f"SELECT w.i, r.{value} FROM (VALUES {rows}) AS w ({columns}) "
         f"CROSS JOIN LATERAL (SELECT {value} FROM probe_runs WHERE {WHERES[basis]} "
-        f"AND {' AND '.join(conditions)} AND {bucket} >= w.b "
-        f"ORDER BY {bucket}, {value} OFFSET w.o LIMIT 2) AS r"
+        f"AND {' AND '.join(conditions)} AND {bucket} = w.b "
+        f"ORDER BY {value} OFFSET w.o LIMIT w.n) AS r"
     )

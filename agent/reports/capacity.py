@@ -54,7 +54,6 @@ from sqlalchemy import (
     func,
     select,
     table,
-    text,
 )
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.sql.expression import UnaryExpression
@@ -556,10 +555,7 @@ def _left_out_in_runs(
 def _summarised(connection: Connection) -> bool:
     """Whether the database keeps the summary of both bases and of the runs left out
     (PostgreSQL since migration 0011)."""
-    found = connection.execute(
-        text("SELECT to_regclass(:name)"), {"name": summary.LEFT_OUT_TABLE}
-    ).scalar()
-    return found is not None
+    return summary.exists(connection, summary.LEFT_OUT_TABLE)
 
 
 def _unblank(value: str) -> str | None:
@@ -640,6 +636,25 @@ RANK_BATCH = 100
 """Quantile lookups per statement (agent.archive.summary.rank_query)."""
 
 
+def _reads(counts: dict[int, int], ranks: list[int]) -> list[tuple[int, int, int]]:
+    """Where the results of ``ranks`` (consecutive, in value order) lie: reads of (bucket,
+    offset within it, how many), from the results per bucket."""
+    reads: list[tuple[int, int, int]] = []
+    below, buckets = 0, iter(sorted(b for b, count in counts.items() if count > 0))
+    bucket = next(buckets, None)
+    for rank in ranks:
+        while bucket is not None and below + counts[bucket] <= rank:
+            below += counts[bucket]
+            bucket = next(buckets, None)
+        if bucket is None:
+            break
+        if reads and reads[-1][0] == bucket:
+            reads[-1] = (bucket, reads[-1][1], reads[-1][2] + 1)
+        else:
+            reads.append((bucket, rank - below, 1))
+    return reads
+
+
 def _quantiles_in_buckets(
     connection: Connection,
     source: _Source,
@@ -649,24 +664,22 @@ def _quantiles_in_buckets(
     *,
     since: datetime | None,
 ) -> dict[Key, tuple[float, float]]:
-    """Each group's quantiles: for each, the bucket that holds its rank (from the counts), then
-    the two values around the rank, read from an index in (bucket, value) order from there; the
-    lookups of every group of one shape (which keys are NULL) in one statement."""
-    lookups: list[tuple[Key, float, dict[str, Any]]] = []  # (group, position, parameters)
+    """Each group's quantiles: for each, the bucket that holds its rank and the one after it
+    (from the counts), then the values there, read in value order from an index of the bucket's
+    results; the reads of every group of one shape (which keys are NULL) in one statement."""
+    quantiles: list[tuple[Key, float, int]] = []  # (group, position, values wanted)
+    reads: list[tuple[int, Key, tuple[int, int, int]]] = []  # (quantile, group, read)
     for key in groups:
         counts = buckets[key]
         total = sum(counts.values())
         for quantile in QUANTILES:
             position = (total - 1) * quantile
             rank = math.floor(position)
-            below, number = 0, min(counts)
-            for number in sorted(counts):
-                if below + counts[number] > rank:
-                    break
-                below += counts[number]
-            lookups.append((key, position, {"b": number, "o": rank - below}))
+            ranks = [rank] if position == rank else [rank, rank + 1]
+            reads += [(len(quantiles), key, found) for found in _reads(counts, ranks)]
+            quantiles.append((key, position, len(ranks)))
     shapes: dict[tuple[bool, ...], list[int]] = {}
-    for index, (key, _, _) in enumerate(lookups):
+    for index, (_, key, _) in enumerate(reads):
         shapes.setdefault(tuple(value is None for value in key), []).append(index)
     values: dict[int, list[float]] = {}
     for nulls, indexes in shapes.items():
@@ -674,28 +687,30 @@ def _quantiles_in_buckets(
             batch = indexes[start : start + RANK_BATCH]
             parameters: dict[str, Any] = {} if since is None else {"since": since}
             for j, index in enumerate(batch):
-                key, _, found = lookups[index]
-                parameters |= {f"l{j}_i": index, f"l{j}_b": found["b"], f"l{j}_o": found["o"]}
+                number, key, (bucket, offset, wanted) = reads[index]
+                parameters |= {f"l{j}_i": number, f"l{j}_b": bucket}
+                parameters |= {f"l{j}_o": offset, f"l{j}_n": wanted}
                 parameters |= {f"l{j}_k{i}": v for i, v in enumerate(key) if v is not None}
             query = summary.rank_query(
                 by, source.basis, list(nulls), len(batch), since=since is not None
             )
-            for index, value in connection.execute(query, parameters):
-                values.setdefault(index, []).append(value)
-    quantiles: dict[Key, list[float]] = {}
-    for index, (key, position, _) in enumerate(lookups):
-        pair = sorted(values.get(index, []))
-        if not pair:  # the summary and the results disagree: never guess; the group is left out
-            quantiles[key] = []
+            for number, value in connection.execute(query, parameters):
+                values.setdefault(number, []).append(value)
+    figures: dict[Key, list[float]] = {}
+    disagree: set[Key] = set()
+    for number, (key, position, wanted) in enumerate(quantiles):
+        found = sorted(values.get(number, []))
+        if len(found) != wanted:  # the summary and the results disagree: never guess
+            disagree.add(key)  # the group is left out
             continue
         # PostgreSQL's own interpolation (percentile_cont's), so that the answer is the
         # unsummarised query's to the last bit.
-        low, high = pair[0], pair[-1]
-        quantiles.setdefault(key, []).append(low + (high - low) * (position - math.floor(position)))
+        low, high = found[0], found[-1]
+        figures.setdefault(key, []).append(low + (high - low) * (position - math.floor(position)))
     return {
-        key: (figures[0], figures[1])
-        for key, figures in quantiles.items()
-        if len(figures) == len(QUANTILES)
+        key: (found[0], found[1])
+        for key, found in figures.items()
+        if key not in disagree and len(found) == len(QUANTILES)
     }
 
 
