@@ -58,10 +58,12 @@ def catalogue() -> list[tuple[int, int, str, str, str, str, float]]:
     return rows
 
 
-def load_sql(first: int, last: int, now: datetime, *, lean: bool = False) -> str:
-    """INSERT ... SELECT of results first..last, made on the server. ``lean``: without the
-    manifest, result and analysis JSON (which no report query reads), to load 10 million
-    results in minutes on a small machine."""
+def load_sql(first: int, last: int, results: int, now: datetime, *, lean: bool = False) -> str:
+    """INSERT ... SELECT of results first..last of ``results``, made on the server, in the order
+    they ended (result g at g/results of the 90 days, within one step), as agents write them: a
+    day's results lie together in its month's partition, as in a fleet's archive. ``lean``:
+    without the manifest, result and analysis JSON (which no report query reads), to load 10
+    million results in minutes on a small machine."""
     probes = catalogue()
     counts = {m: sum(1 for p in probes if p[0] == m) for m in range(len(MODELS))}
     values = ", ".join(
@@ -118,7 +120,8 @@ picked AS (
   SELECT g, device_index, device_index / {GPUS} AS node_index, device_index % {GPUS} AS gpu,
          offset_days, failed, noise, probe_pick
   FROM (SELECT g, floor(random() * {FLEET_NODES * GPUS})::int AS device_index,
-               random() * {RESULT_DAYS} AS offset_days, random() < {FAILED_SHARE} AS failed,
+               {RESULT_DAYS} * (g - random()) / {results} AS offset_days,
+               random() < {FAILED_SHARE} AS failed,
                1 + 0.01 * (random() + random() + random() + random() - 2) * 1.7 AS noise,
                random() AS probe_pick
         FROM generate_series({first}, {last}) AS g) AS drawn
@@ -209,7 +212,7 @@ def load_results(
         connection.execute("SELECT setseed(0.42)")
         for first in range(1, total + 1, LOAD_CHUNK):
             last = min(total, first + LOAD_CHUNK - 1)
-            connection.execute(load_sql(first, last, now, lean=lean))
+            connection.execute(load_sql(first, last, total, now, lean=lean))
             print(
                 f"loaded {last:,} results in {time.perf_counter() - started:.0f} s",
                 file=sys.stderr,

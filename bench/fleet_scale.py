@@ -35,11 +35,12 @@ fleet they run on their nodes).
 
 Results (--results N): N probe results of a 10,000-node fleet over 90 days (8 GPUs a node, H100,
 H200, A100 and L40S nodes, the probes spec'd for each model, four stacks rolled out node by node,
-2 % slow GPUs, 3 % failed runs; manifest and analysis JSON as the agent writes them), loaded on
-the server with INSERT ... SELECT FROM generate_series, with triggers off
-(session_replication_role = replica), then agent.archive.summary.rebuild where it exists, VACUUM
-ANALYZE; then `sustain capacity --by model` (agent.reports.capacity.capacity) and the query of
-`sustain drift` (agent.drift.detect.load_history), best of --repeats each. --keep keeps the
+2 % slow GPUs, 3 % failed runs; manifest and analysis JSON as the agent writes them), in the
+order they ended (as agents write them), loaded on the server with INSERT ... SELECT FROM
+generate_series, with triggers off (session_replication_role = replica), then
+agent.archive.summary.rebuild where it exists, VACUUM ANALYZE; then `sustain capacity --by
+model` (agent.reports.capacity.capacity) and the query of `sustain drift`
+(agent.drift.detect.load_history), best of --repeats each. --keep keeps the
 database, --reuse times a kept one again without loading (and keeps it).
 
 Readers (--readers N, with --keep or --reuse): what every node reads from that database each
