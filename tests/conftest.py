@@ -33,11 +33,21 @@ from typing import Any
 import psutil
 import pytest
 from fakenvml.build import build
+from hypothesis import HealthCheck, settings
 from sqlalchemy import Engine, create_engine, text
 from sqlalchemy.exc import OperationalError
 
 from agent.archive.database import open_engine, upgrade
 from collectors.nvml.collector import NvmlCollector
+
+# Property tests draw the same examples on every run (derandomize): the suite is green or red
+# for the code, never for the draw, and without a per-example deadline a loaded machine fails
+# nothing. ``HYPOTHESIS_PROFILE=explore`` draws new examples each run, for looking for bugs.
+settings.register_profile(
+    "suite", derandomize=True, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+settings.register_profile("explore", deadline=None, max_examples=500)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "suite"))
 
 POSTGRES_SERVER = "postgresql+psycopg://postgres@127.0.0.1:5432"
 POSTGRES_MAINTENANCE_URL = f"{POSTGRES_SERVER}/test"

@@ -363,15 +363,26 @@ def test_any_password_round_trips_and_never_shows(secret: str) -> None:
     assert urls.scrub(MESSAGE.format(secret), parsed) == MESSAGE.format("***")
 
 
+def error_of(text: str) -> str:
+    with pytest.raises(urls.DatabaseUrlError) as raised:
+        urls.parse(text)
+    return str(raised.value)
+
+
+# What parse says of a bad URL: one of these lines, whatever the URL.
+PARSE_ERRORS = {error_of("no scheme here"), error_of("postgresql://a@b@db.example/archive")}
+
+
 @given(text=st.text(max_size=80))
 def test_parse_gives_a_url_or_one_line_without_the_input(text: str) -> None:
     try:
         parsed = urls.parse(text)
     except urls.DatabaseUrlError as exc:
         message = str(exc)
-        assert "\n" not in message
-        assume(len(text) > 3)
-        assert text not in message
+        # Never a word of the input (a password, or where one was): one of the fixed lines. (It
+        # asserted that the input was not in the message, which a draw of "data" broke: the
+        # line says "database".)
+        assert message in PARSE_ERRORS
         return
     assert isinstance(parsed, URL)
     urls.redact(parsed)
